@@ -1,0 +1,154 @@
+"""Block tables of the requests in flight, on top of one ``BlockPool``: what the scheduler calls.
+
+A request's block table is the list of blocks holding its tokens in order. Full blocks are
+registered in the prefix cache under their chained hash once their K/V has been computed, so a
+later request with the same prefix takes them (``find_cached_prefix``) instead of recomputing.
+The manager keys everything by an opaque request key; it knows nothing about requests otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Hashable, List, Sequence
+
+from kv.block_pool import Block, BlockPool
+from kv.prefix_hash import BlockHash
+from kv.types import BlockId
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """Blocks found in the prefix cache for the start of a request, not yet referenced."""
+
+    blocks: List[Block]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """A snapshot of the pool for the scheduler and the router."""
+
+    num_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    block_size: int
+    num_allocated_slots: int
+    num_filled_slots: int
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def waste_frac(self) -> float:
+        """Share of allocated slots holding no token (partly filled last blocks)."""
+        if self.num_allocated_slots == 0:
+            return 0.0
+        return 1.0 - self.num_filled_slots / self.num_allocated_slots
+
+
+class KVCacheManager:
+    """Allocates, caches and frees the blocks of requests. O(blocks touched) per call."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_cache)
+        self._tables: Dict[Hashable, List[Block]] = {}
+        self._num_cached: Dict[Hashable, int] = {}  # leading blocks already registered
+        self.num_prefix_queries = 0  # tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of which found
+
+    @property
+    def enable_prefix_cache(self) -> bool:
+        return self.pool.enable_prefix_cache
+
+    def find_cached_prefix(
+        self, token_ids: Sequence[int], block_hashes: Sequence[BlockHash]
+    ) -> CachedPrefix:
+        """The longest run of cached leading blocks, leaving at least one token to compute."""
+        blocks: List[Block] = []
+        if self.enable_prefix_cache:
+            max_blocks = (len(token_ids) - 1) // self.block_size
+            for index, block_hash in enumerate(block_hashes[:max_blocks]):
+                start = index * self.block_size
+                block = self.pool.lookup(block_hash, token_ids[start:start + self.block_size])
+                if block is None:
+                    break
+                blocks.append(block)
+        return CachedPrefix(blocks, len(blocks) * self.block_size)
+
+    def count_prefix_query(self, num_tokens: int, prefix: CachedPrefix) -> None:
+        """Count an admitted request's lookup: ``num_tokens`` queried, the prefix's tokens hit."""
+        self.num_prefix_queries += num_tokens
+        self.num_prefix_hits += prefix.num_tokens
+
+    def num_blocks_needed(self, key: Hashable, num_tokens: int, prefix: CachedPrefix) -> int:
+        """Blocks to allocate so ``key`` holds ``num_tokens`` tokens, given its cached prefix."""
+        held = len(self._tables.get(key, ())) or len(prefix.blocks)
+        needed = (num_tokens + self.block_size - 1) // self.block_size - held
+        # Cached blocks sitting on the free list are free capacity that taking them consumes.
+        reclaimed = sum(1 for block in prefix.blocks if block.ref_count == 0)
+        return max(needed, 0) + (reclaimed if key not in self._tables else 0)
+
+    def can_allocate(self, key: Hashable, num_tokens: int, prefix: CachedPrefix) -> bool:
+        return self.pool.can_allocate(self.num_blocks_needed(key, num_tokens, prefix))
+
+    def allocate(self, key: Hashable, num_tokens: int, prefix: CachedPrefix) -> List[BlockId]:
+        """Grow ``key``'s table to hold ``num_tokens`` tokens; returns the new block ids.
+
+        On the first call the cached prefix's blocks are referenced and head the table.
+        Raises ``RuntimeError`` if the pool lacks blocks: call ``can_allocate`` first.
+        """
+        table = self._tables.get(key)
+        new_ids: List[BlockId] = []
+        if table is None:
+            for block in prefix.blocks:
+                self.pool.touch(block)
+            table = self._tables[key] = list(prefix.blocks)
+            self._num_cached[key] = len(prefix.blocks)
+            new_ids = [block.block_id for block in table]
+        missing = (num_tokens + self.block_size - 1) // self.block_size - len(table)
+        if missing > 0:
+            fresh = self.pool.allocate(missing)
+            table.extend(fresh)
+            new_ids.extend(block.block_id for block in fresh)
+        return new_ids
+
+    def cache_full_blocks(
+        self, key: Hashable, token_ids: Sequence[int], block_hashes: Sequence[BlockHash],
+        num_computed: int,
+    ) -> None:
+        """Register ``key``'s blocks that are full and computed in the prefix cache."""
+        table = self._tables[key]
+        num_full = min(num_computed // self.block_size, len(block_hashes), len(table))
+        for index in range(self._num_cached[key], num_full):
+            start = index * self.block_size
+            self.pool.cache(table[index], block_hashes[index],
+                            token_ids[start:start + self.block_size])
+        self._num_cached[key] = max(self._num_cached[key], num_full)
+
+    def block_ids(self, key: Hashable) -> List[BlockId]:
+        return [block.block_id for block in self._tables.get(key, ())]
+
+    def free(self, key: Hashable) -> None:
+        """Release ``key``'s blocks, last block first so shared prefixes outlive tails."""
+        table = self._tables.pop(key, None)
+        self._num_cached.pop(key, None)
+        if table:
+            self.pool.free(list(reversed(table)))
+
+    def usage(self, filled_slots: Dict[Hashable, int]) -> KVUsage:
+        """Pool snapshot; ``filled_slots`` gives the tokens each request has written."""
+        allocated = self.pool.num_used * self.block_size
+        waste = sum(len(self._tables[k]) * self.block_size - n
+                    for k, n in filled_slots.items() if k in self._tables)
+        return KVUsage(
+            num_blocks=self.pool.num_blocks,
+            num_used_blocks=self.pool.num_used,
+            num_cached_blocks=self.pool.num_cached,
+            block_size=self.block_size,
+            num_allocated_slots=allocated,
+            num_filled_slots=allocated - waste,
+        )

@@ -1,0 +1,62 @@
+"""Paged attention over block tables in plain PyTorch (runs on CPU and CUDA alike).
+
+For each bucket of the step (see ``attention_metadata``), queries and the keys/values of every
+cached position are gathered into padded dense tensors and attended with one
+``scaled_dot_product_attention`` call. Grouped-query attention never repeats K/V: the ``G`` query
+heads that share a KV head are folded into the query length, ``[B, Hkv, G * max_q, D]``, so a
+KV head is read once for its whole group.
+
+Cost per bucket and layer: a gather of ``B * max_ctx`` K and V rows, and attention over
+``B * Hkv * G * max_q * max_ctx`` scores.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kv.attention_metadata import AttentionBucket, AttentionMetadata
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of the step's new tokens over their sequences' cached keys and values.
+
+    ``query`` is ``[T, H, D]``; ``k_cache``/``v_cache`` are ``[num_slots, Hkv, D]`` and already hold
+    the new tokens' K/V. Returns ``[T, H * D]``.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    out = query.new_empty(num_tokens, num_heads * head_dim)
+    # One zero row at index T so padded query indices gather something harmless.
+    padded_query = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
+    for bucket in metadata.buckets:
+        out[bucket.token_index] = _attend_bucket(padded_query, k_cache, v_cache, bucket, scale)
+    return out
+
+
+def _attend_bucket(
+    padded_query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    bucket: AttentionBucket, scale: float,
+) -> torch.Tensor:
+    num_seqs, max_q = bucket.query_index.shape
+    _, num_heads, head_dim = padded_query.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    q = padded_query[bucket.query_index]  # [B, max_q, H, D]
+    q = q.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_seqs, num_kv_heads, group * max_q, head_dim)  # [B, Hkv, G*max_q, D]
+    k = k_cache[bucket.kv_slots].transpose(1, 2)  # [B, Hkv, max_ctx, D]
+    v = v_cache[bucket.kv_slots].transpose(1, 2)  # [B, Hkv, max_ctx, D]
+    mask = bucket.mask  # [B, 1, max_q, max_ctx]
+    if group > 1:
+        mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(
+            num_seqs, 1, group * max_q, mask.shape[-1])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out = out.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    out = out.reshape(num_seqs * max_q, num_heads * head_dim)  # [B*max_q, H*D]
+    return out[bucket.valid]

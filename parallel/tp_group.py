@@ -1,0 +1,104 @@
+"""The tensor-parallel group of one rank: its rank, the world size and two process groups.
+
+- ``cpu_group`` (always gloo) carries control: the per-step plan broadcast from rank 0.
+- ``device_group`` carries activations: NCCL on CUDA, gloo on CPU.
+
+Collectives on the device group are timed (``collective_latency``) so the serving layer can export
+their latency. A group of size 1 has no process groups and every collective is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from parallel.latency import LatencyRecorder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TPGroupConfig:
+    """How a rank joins its group: ``init_method`` is a ``tcp://host:port`` that rank 0 listens on."""
+
+    rank: int
+    world_size: int
+    init_method: Optional[str] = None
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"tensor-parallel size must be at least 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside a group of {self.world_size}")
+        if self.world_size > 1 and not self.init_method:
+            raise ValueError("a group larger than 1 needs an init_method (tcp://host:port)")
+
+
+@dataclass
+class TPGroup:
+    """A rank's view of its tensor-parallel group (never ``dist.get_rank()`` as the TP rank)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    cpu_group: Optional[dist.ProcessGroup] = None
+    device_group: Optional[dist.ProcessGroup] = None
+    all_reduce_latency: LatencyRecorder = field(default_factory=LatencyRecorder)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks in place (timed); returns it."""
+        if self.world_size == 1:
+            return tensor
+        start = time.perf_counter()
+        dist.all_reduce(tensor, group=self.device_group)
+        if tensor.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        self.all_reduce_latency.record(time.perf_counter() - start)
+        return tensor
+
+    def gather_to_first(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """Concatenate every rank's ``tensor`` along the last dim on rank 0; None elsewhere."""
+        if self.world_size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts: Optional[List[torch.Tensor]] = None
+        if self.is_first:
+            parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.gather(tensor, parts, dst=dist.get_global_rank(self.device_group, 0),
+                    group=self.device_group)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def destroy(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_tp_group(config: TPGroupConfig, device: torch.device) -> TPGroup:
+    """Join the group described by ``config`` (blocks until every rank has joined)."""
+    if config.world_size == 1:
+        return TPGroup(0, 1, device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=config.timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=backend, init_method=config.init_method, rank=config.rank,
+        world_size=config.world_size, timeout=timeout,
+    )
+    ranks = list(range(config.world_size))
+    device_group = dist.new_group(ranks, backend=backend, timeout=timeout)
+    cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+    logger.info("rank %d/%d joined (%s device group)", config.rank, config.world_size, backend)
+    return TPGroup(config.rank, config.world_size, device, cpu_group, device_group)
+

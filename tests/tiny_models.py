@@ -1,0 +1,93 @@
+"""Small real checkpoints for tests: random weights, tiny configs, a trained BPE tokenizer, all
+saved with ``transformers`` exactly as a real checkpoint directory is."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "tensor parallel serving splits every layer across ranks",
+    "a paged key value cache stores blocks of sixteen tokens",
+    "continuous batching admits requests while blocks allow",
+    "prefix caching finds blocks by a chained hash of their tokens",
+    "hello world, how are you today? I am fine, thank you.",
+    "numbers 0 1 2 3 4 5 6 7 8 9 and symbols ! ? . , : ; ( )",
+] * 20
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def save_tokenizer(out_dir: Path, vocab_size: int = 300) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+
+
+def build_checkpoint(out_dir: Path, kind: str, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random ``kind`` model (llama, llama_tied, qwen2, mistral) to ``out_dir``."""
+    import transformers
+
+    common = dict(vocab_size=509, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**{**common, "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            **overrides})
+        cls = transformers.LlamaForCausalLM
+    elif kind == "llama_tied":
+        config = transformers.LlamaConfig(**{**common, "num_key_value_heads": 4,
+                                             "tie_word_embeddings": True, **overrides})
+        cls = transformers.LlamaForCausalLM
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(**{**common, **overrides})
+        cls = transformers.Qwen2ForCausalLM
+    elif kind == "mistral":
+        config = transformers.MistralConfig(**{**common, "num_key_value_heads": 1,
+                                               "sliding_window": 24, **overrides})
+        cls = transformers.MistralForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    save_tokenizer(out_dir)
+    return Path(out_dir)
+
+
+def hf_greedy(model_dir: Path, prompts, max_new_tokens: int):
+    """``transformers`` greedy generate, one prompt at a time (no padding), new tokens only."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32).eval()
+    outs = []
+    for ids in prompts:
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=0)
+        outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+def read_json(path: Path):
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,266 @@
+"""The engine: requests in, streamed outputs out, one scheduled step at a time.
+
+Rank 0 lives in this process: it schedules, broadcasts the step plan to ranks 1..N-1 (local
+processes here; Ray actors in serving), runs its own model shard on the same plan, samples and
+detokenizes. ``step`` returns what changed for each request; ``LLM`` wraps it for offline use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+
+from kv.kv_cache import KVCacheSpec
+from kv.kv_manager import KVCacheManager, KVUsage
+from parallel.tp_group import TPGroupConfig
+from workers.config import EngineConfig
+from workers.default_model import resolve_model_path
+from workers.detokenizer import IncrementalDetokenizer
+from workers.loader import checkpoint_files
+from workers.model_config import ModelConfig, load_model_config
+from workers.multiproc import RankProcesses, free_tcp_init_method
+from workers.rank import RankConfig, build_rank, resolve_dtype
+from workers.request import FinishReason, Request, RequestId
+from workers.sampler import SampledToken, sample
+from workers.sampling_params import SamplingParams
+from workers.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from workers.step_plan import StepPlan, broadcast_plan
+from workers.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_MAX_KV_BLOCKS = 1 << 17  # Python block objects stay cheap below this
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a step produced for one request; ``text`` and ``output_token_ids`` are cumulative."""
+
+    request_id: RequestId
+    prompt_token_ids: List[int]
+    output_token_ids: List[int]
+    new_token_ids: List[int]
+    text: str
+    delta_text: str
+    finished: bool
+    finish_reason: Optional[str]
+    logprobs: List[SampledToken]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Shape of one executed step, for throughput and roofline accounting."""
+
+    num_tokens: int
+    num_seqs: int
+    num_logits: int
+    num_context_tokens: int  # sum over scheduled seqs of tokens attended to
+    duration_s: float
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = resolve_model_path(config.model)
+        self.model_config = load_model_config(self.model_dir)
+        self.model_config.check_tp_size(config.tp_size)
+        checkpoint_files(self.model_dir)  # fail on missing shards before starting ranks
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.max_model_len = self._max_model_len()
+        rank_configs = self._rank_configs()
+        self.num_kv_blocks = rank_configs[0].num_kv_blocks
+        self._children: Optional[RankProcesses] = None
+        if config.tp_size > 1:
+            self._children = RankProcesses(rank_configs[1:])
+        self.rank = build_rank(rank_configs[0])
+        if self._children is not None:
+            self._children.wait_ready()
+        kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_cache)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
+                            self.max_model_len), kv)
+        self._requests: Dict[RequestId, Request] = {}
+        self._detok: Dict[RequestId, IncrementalDetokenizer] = {}
+        self._aborted: List[Request] = []
+        self._seq_ids = itertools.count()
+        self._generator = torch.Generator().manual_seed(config.seed)
+        self.step_records: List[StepRecord] = []
+        self._is_shut_down = False
+
+    def _max_model_len(self) -> int:
+        model_max = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len or model_max
+        if wanted > model_max:
+            raise ValueError(f"--max-model-len {wanted} exceeds the model's "
+                             f"max_position_embeddings ({model_max})")
+        return wanted
+
+    def _rank_configs(self) -> List[RankConfig]:
+        cfg, model = self.config, self.model_config
+        use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if use_cuda else "cpu"),
+                              model.torch_dtype)
+        num_blocks = cfg.num_kv_blocks or self._default_num_blocks(model, dtype)
+        init = free_tcp_init_method() if cfg.tp_size > 1 else None
+        threads = None if use_cuda else max(1, (torch.get_num_threads()) // cfg.tp_size)
+        return [
+            RankConfig(str(self.model_dir), TPGroupConfig(rank, cfg.tp_size, init),
+                       f"cuda:{rank}" if use_cuda else "cpu", str(dtype).replace("torch.", ""),
+                       num_blocks, cfg.block_size, self.max_model_len, threads)
+            for rank in range(cfg.tp_size)
+        ]
+
+    def _default_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
+        kv_heads = max(1, model.num_kv_heads // self.config.tp_size)
+        spec = KVCacheSpec(model.num_layers, 1, self.config.block_size, kv_heads,
+                           model.head_dim, dtype)
+        by_memory = int(self.config.kv_cache_gb * (1 << 30)) // spec.bytes_per_block
+        per_seq = -(-self.max_model_len // self.config.block_size)
+        return max(1, min(by_memory, per_seq * self.config.max_num_seqs, _MAX_KV_BLOCKS))
+
+    # ----- requests -----
+
+    def add_request(self, prompt: Union[str, Sequence[int]], params: SamplingParams,
+                    request_id: Optional[str] = None) -> RequestId:
+        """Queue a request (text, or token ids); raises ``ValueError`` on bad input."""
+        token_ids = self._tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the model's context is "
+                             f"{self.max_model_len} tokens, prompt plus at least one output")
+        rid = RequestId(request_id or uuid.uuid4().hex)
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        generator = self._generator
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        request = Request(rid, next(self._seq_ids), token_ids, params, generator,
+                          self.model_config.eos_token_ids)
+        self._requests[rid] = request
+        if self.tokenizer is not None:
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        self.scheduler.add(request)
+        return rid
+
+    def _tokenize(self, prompt: Union[str, Sequence[int]]) -> List[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir} has no tokenizer files: pass token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); "
+                                 f"got {bad[:5]}")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        return token_ids
+
+    def abort(self, request_id: str) -> None:
+        request = self._requests.get(RequestId(request_id))
+        if request is not None and not request.is_finished:
+            self.scheduler.finish(request, FinishReason.ABORT)
+            self._aborted.append(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # ----- stepping -----
+
+    def step(self) -> List[RequestOutput]:
+        """Schedule, run and sample one step; outputs of every request that changed."""
+        started = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        logits = self._execute(scheduled.plan)
+        self.scheduler.update(scheduled)
+        outputs = [self._finish_output(r) for r in self._aborted + list(scheduled.finished)]
+        self._aborted = []
+        sampled_requests = [r for r, n in scheduled.scheduled
+                            if r.num_computed_tokens == r.num_tokens]
+        if sampled_requests:
+            assert logits is not None and logits.shape[0] == len(sampled_requests)
+            tokens = sample(logits, [r.params for r in sampled_requests],
+                            [r.generator for r in sampled_requests])
+            outputs.extend(self._append(r, t) for r, t in zip(sampled_requests, tokens))
+        if scheduled.plan.seqs:
+            self._record(scheduled, time.perf_counter() - started)
+        return outputs
+
+    def _execute(self, plan: StepPlan) -> Optional[torch.Tensor]:
+        if not plan.seqs and not plan.freed_ids:
+            return None
+        broadcast_plan(plan, self.rank.tp.cpu_group)
+        return self.rank.runner.execute(plan)
+
+    def _append(self, request: Request, token: SampledToken) -> RequestOutput:
+        request.append_token(token)
+        reason = request.stop_reason_for_last_token()
+        delta = ""
+        detok = self._detok.get(request.request_id)
+        if detok is not None:
+            delta = detok.add_token(token.token_id)
+            text_before = len(detok.text) - len(delta)
+            if detok.find_stop(delta) is not None:
+                delta = detok.text[text_before:]  # the part before the stop string
+                reason = FinishReason.STOP
+        if reason is None and request.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+        return self._output(request, [token.token_id], delta)
+
+    def _finish_output(self, request: Request) -> RequestOutput:
+        return self._output(request, [], "")
+
+    def _output(self, request: Request, new_ids: List[int], delta: str) -> RequestOutput:
+        detok = self._detok.get(request.request_id)
+        if request.is_finished:
+            self._requests.pop(request.request_id, None)
+            self._detok.pop(request.request_id, None)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            new_token_ids=new_ids,
+            text=detok.text if detok is not None else "",
+            delta_text=delta,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            logprobs=list(request.output_logprobs),
+        )
+
+    def _record(self, scheduled: ScheduledStep, duration_s: float) -> None:
+        plan = scheduled.plan
+        context = sum(r.num_computed_tokens for r, _ in scheduled.scheduled)
+        self.step_records.append(StepRecord(
+            plan.num_tokens, len(plan.seqs), sum(s.needs_logits for s in plan.seqs), context,
+            duration_s))
+
+    def kv_usage(self) -> KVUsage:
+        return self.scheduler.kv_usage()
+
+    def shutdown(self) -> None:
+        """Stop the child ranks (a shutdown plan releases their blocked broadcast)."""
+        if self._is_shut_down:
+            return
+        self._is_shut_down = True
+        if self._children is not None:
+            try:
+                broadcast_plan(StepPlan(shutdown=True), self.rank.tp.cpu_group)
+            finally:
+                self._children.join()
+                self.rank.tp.destroy()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

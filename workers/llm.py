@@ -1,0 +1,42 @@
+"""Offline API: submit every prompt at once (so they are batched), step until all finish."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+from workers.config import EngineConfig
+from workers.engine import LLMEngine, RequestOutput
+from workers.sampling_params import SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+
+
+class LLM:
+    """``LLM(EngineConfig(model=...)).generate(prompts, params)`` -> outputs in prompt order."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+
+    def generate(self, prompts: Sequence[Prompt],
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None
+                 ) -> List[RequestOutput]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final: dict = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,131 @@
+"""A checkpoint's ``config.json``, read into the few fields the Llama-family models need.
+
+Both spellings of RoPE settings are accepted: ``rope_theta`` + ``rope_scaling`` (checkpoints
+saved by transformers 4.x) and ``rope_parameters`` (transformers 5.x).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    rope: RopeConfig
+    sliding_window: Optional[int]
+    torch_dtype: str
+    eos_token_ids: tuple
+    bos_token_id: Optional[int]
+
+    def check_tp_size(self, tp_size: int) -> None:
+        """Raise ``ValueError`` unless the heads split evenly over ``tp_size`` ranks."""
+        if self.num_heads % tp_size:
+            raise ValueError(
+                f"tensor-parallel size {tp_size} does not divide the model's {self.num_heads} "
+                f"attention heads; use a divisor of {self.num_heads}")
+        kv = self.num_kv_heads
+        if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
+            raise ValueError(
+                f"tensor-parallel size {tp_size} and the model's {kv} KV heads: one must "
+                f"divide the other")
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    """Read and check ``model_dir/config.json``; errors name the file and the field."""
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: expected a Hugging Face checkpoint directory")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    return parse_model_config(raw, str(path))
+
+
+def parse_model_config(raw: Dict[str, Any], source: str = "config.json") -> ModelConfig:
+    arch = (raw.get("architectures") or [None])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{source}: architecture {arch!r} is not supported; tpserve runs "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    def need(key: str) -> Any:
+        if key not in raw:
+            raise ValueError(f"{source}: missing {key!r}")
+        return raw[key]
+
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (silu)")
+    num_heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    window = raw.get("sliding_window")
+    if is_qwen2 and not raw.get("use_sliding_window", False):
+        window = None
+    eos = raw.get("eos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=need("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=need("intermediate_size"),
+        num_layers=need("num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or hidden // num_heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
+        o_bias=not is_qwen2 and bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        rope=_parse_rope(raw, source),
+        sliding_window=window,
+        torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+        bos_token_id=raw.get("bos_token_id"),
+    )
+
+
+def _parse_rope(raw: Dict[str, Any], source: str) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
+                         f"(default, linear, llama3)")
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+    )

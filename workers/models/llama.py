@@ -1,0 +1,134 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2) over tensor-parallel layers and a paged
+KV cache. Parameter names follow the Hugging Face checkpoints; q/k/v and gate/up are fused, as
+``packed_modules_mapping`` tells the loader."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kv.attention_metadata import AttentionMetadata
+from kv.kv_cache import KVCache, write_kv
+from kv.paged_attention import paged_attention
+from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
+from parallel.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from parallel.tp_group import TPGroup
+from parallel.weights import default_weight_loader, set_weight_loader
+from workers.model_config import ModelConfig
+from workers.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+        set_weight_loader(self.weight, default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_heads,
+                                          config.num_kv_heads, config.qkv_bias, tp, dtype)
+        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size,
+                                        config.o_bias, tp, dtype)
+        self.rotary = rotary
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+
+    def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(num_tokens, -1, self.head_dim)  # [T, H_local, D]
+        k = k.view(num_tokens, -1, self.head_dim)  # [T, Hkv_local, D]
+        v = v.view(num_tokens, -1, self.head_dim)
+        q, k = self.rotary(metadata.positions, q, k)
+        write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, metadata, self.scale)  # [T, H_local*D]
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size],
+                                                 config.mlp_bias, tp, dtype)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I_local] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        eps, device = config.rms_norm_eps, tp.device
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.self_attn = LlamaAttention(config, tp, dtype, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.mlp = LlamaMLP(config, tp, dtype)
+
+    def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), metadata, k_cache, v_cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+        rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, tp.device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, tp, dtype, rotary) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, tp.device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` runs the step's flat batch of new tokens; ``compute_logits`` the LM head."""
+
+    # checkpoint module name -> (our fused module, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, tp, dtype, max_positions)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, metadata: AttentionMetadata,
+                kv_cache: KVCache) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+        for index, layer in enumerate(self.model.layers):
+            hidden = layer(hidden, metadata, *kv_cache.layer(index))
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """``[N, vocab]`` logits on rank 0, None on the other ranks."""
+        return self.lm_head(hidden)

@@ -1,0 +1,58 @@
+"""Rotary position embeddings (default, linear and llama3 scaling), computed as transformers does
+so that our activations match its, bit for bit in fp32."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from workers.model_config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.Tensor:
+    """``[head_dim / 2]`` inverse frequencies in fp32."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta ** exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scaling(inv_freq, rope, max_positions)
+    return inv_freq
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig, max_positions: int) -> torch.Tensor:
+    old_len = rope.original_max_position_embeddings or max_positions
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables; ``forward`` rotates q ``[T, H, D]`` and k ``[T, Hkv, D]``."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(rope, head_dim, max_positions)
+        freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, D]
+        self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(dtype=dtype, device=device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

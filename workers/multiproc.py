@@ -1,0 +1,78 @@
+"""Ranks 1..N-1 as local processes (torch.multiprocessing, spawn), for TP without Ray.
+
+Each child builds its rank (joining the process group first), reports ready or the error that
+stopped it through a pipe, then serves plans until rank 0 broadcasts a shutdown plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from typing import List
+
+import torch.multiprocessing as mp
+
+from workers.rank import RankConfig, build_rank, serve_plans
+
+logger = logging.getLogger(__name__)
+
+
+def free_tcp_init_method(host: str = "127.0.0.1") -> str:
+    """A ``tcp://host:port`` on a port that is free now (rank 0 listens on it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return f"tcp://{host}:{sock.getsockname()[1]}"
+
+
+def _rank_main(config: RankConfig, conn) -> None:
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"%(asctime)s %(levelname)s rank{config.group.rank} %(name)s: "
+                               "%(message)s")
+    try:
+        rank = build_rank(config)
+    except Exception as exc:  # reported to rank 0, which raises it for the user
+        conn.send(("error", exc))
+        return
+    conn.send(("ready", None))
+    try:
+        serve_plans(rank)
+    finally:
+        rank.tp.destroy()
+
+
+class RankProcesses:
+    """The child ranks of one engine."""
+
+    def __init__(self, configs: List[RankConfig]) -> None:
+        ctx = mp.get_context("spawn")
+        self._procs, self._conns = [], []
+        for config in configs:
+            parent, child = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_rank_main, args=(config, child), daemon=True,
+                               name=f"tpserve-rank{config.group.rank}")
+            proc.start()
+            self._procs.append(proc)
+            self._conns.append(parent)
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Block until every child has loaded; re-raise the first child's error."""
+        deadline = time.monotonic() + timeout_s
+        for proc, conn in zip(self._procs, self._conns):
+            while not conn.poll(0.1):
+                if not proc.is_alive():
+                    raise RuntimeError(f"{proc.name} exited with code {proc.exitcode} "
+                                       f"before it was ready")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{proc.name} not ready after {timeout_s:.0f} s")
+            status, error = conn.recv()
+            if status == "error":
+                raise error
+
+    def join(self, timeout_s: float = 30.0) -> None:
+        for proc in self._procs:
+            proc.join(timeout_s)
+            if proc.is_alive():
+                logger.warning("%s did not stop; terminating it", proc.name)
+                proc.terminate()
+                proc.join(5)

@@ -1,0 +1,85 @@
+"""One tensor-parallel rank: join the group, load this rank's shard, allocate its KV pool, and
+(on ranks 1..N-1) run the plans rank 0 broadcasts until told to stop.
+
+Nothing here knows how the rank was launched: the engine's processes and, later, Ray actors call
+the same ``build_rank`` and ``serve_plans``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from kv.kv_cache import KVCache, KVCacheSpec
+from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
+from workers.loader import load_weights
+from workers.model_config import ModelConfig, load_model_config
+from workers.model_runner import ModelRunner
+from workers.models.registry import model_class
+from workers.step_plan import broadcast_plan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """Everything a rank needs to build itself; picklable, so it can be sent to a process."""
+
+    model_dir: str
+    group: TPGroupConfig
+    device: str  # "cpu" or "cuda:<index>"
+    dtype: str  # a torch dtype name, e.g. "float32"
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    num_threads: Optional[int] = None  # CPU threads for this rank's torch ops
+
+
+@dataclass
+class Rank:
+    tp: TPGroup
+    config: ModelConfig
+    runner: ModelRunner
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
+    """``auto``: fp32 on CPU (no fast bf16 there), the checkpoint's dtype on CUDA."""
+    if name == "auto":
+        name = "float32" if device.type == "cpu" else checkpoint_dtype
+    dtype = getattr(torch, name.replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype {name!r} is not a torch floating dtype "
+                         f"(float32, bfloat16, float16 or auto)")
+    return dtype
+
+
+def build_rank(config: RankConfig) -> Rank:
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = torch.device(config.device)
+    tp = init_tp_group(config.group, device)
+    model_config = load_model_config(Path(config.model_dir))
+    dtype = getattr(torch, config.dtype)
+    model = model_class(model_config.architecture)(model_config, tp, dtype, config.max_model_len)
+    load_weights(model, Path(config.model_dir))
+    num_kv_heads = model.model.layers[0].self_attn.qkv_proj.num_local_kv_heads
+    spec = KVCacheSpec(model_config.num_layers, config.num_kv_blocks, config.block_size,
+                       num_kv_heads, model_config.head_dim, dtype)
+    runner = ModelRunner(model, KVCache(spec, device), device)
+    logger.info("rank %d/%d ready on %s (pid %d)", tp.rank, tp.world_size, device, os.getpid())
+    return Rank(tp, model_config, runner)
+
+
+def serve_plans(rank: Rank) -> None:
+    """Loop of ranks 1..N-1: receive a plan, run it, until a shutdown plan arrives."""
+    while True:
+        plan = broadcast_plan(None, rank.tp.cpu_group)
+        if plan.shutdown:
+            break
+        rank.runner.execute(plan)
+    logger.info("rank %d stopping", rank.tp.rank)

@@ -1,0 +1,84 @@
+"""A request's state inside the engine: its tokens, how many are in the KV cache, its blocks' hashes."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import List, NewType, Optional
+
+import torch
+
+from kv.prefix_hash import BlockHash
+from workers.sampler import SampledToken
+from workers.sampling_params import SamplingParams
+
+RequestId = NewType("RequestId", str)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: RequestId
+    seq_id: int  # compact id used in step plans
+    prompt_token_ids: List[int]
+    params: SamplingParams
+    generator: torch.Generator
+    eos_token_ids: tuple = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: List[int] = field(default_factory=list)
+    output_logprobs: List[SampledToken] = field(default_factory=list)
+    all_token_ids: List[int] = field(default_factory=list)
+    block_hashes: List[BlockHash] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: Optional[FinishReason] = None
+    is_known_to_ranks: bool = False  # ranks mirror its block table
+    num_blocks_sent: int = 0  # blocks of its table the ranks already have
+    num_preemptions: int = 0
+    first_token_time: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, sampled: SampledToken) -> None:
+        self.output_token_ids.append(sampled.token_id)
+        self.all_token_ids.append(sampled.token_id)
+        if self.params.logprobs is not None:
+            self.output_logprobs.append(sampled)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def stop_reason_for_last_token(self) -> Optional[FinishReason]:
+        """Whether the token just appended ends the request (stop strings are checked elsewhere)."""
+        token = self.output_token_ids[-1]
+        if token in self.params.stop_token_ids:
+            return FinishReason.STOP
+        if not self.params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if len(self.output_token_ids) >= self.params.max_tokens:
+            return FinishReason.LENGTH
+        return None

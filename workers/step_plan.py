@@ -1,0 +1,68 @@
+"""The per-step plan rank 0 sends to every rank, and how it travels (a CPU-group broadcast).
+
+New sequences go in full (their tokens to compute, the cached length, the whole block table);
+known ones as diffs (this step's tokens, the blocks added since the last step). Every rank keeps a
+mirror of the block tables, so a decode step costs a few bytes per sequence.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class NewSeqStep:
+    seq_id: int
+    token_ids: Tuple[int, ...]  # tokens computed this step
+    num_computed: int  # tokens already in the cache (a cached prefix)
+    block_ids: Tuple[int, ...]  # the whole block table
+    needs_logits: bool  # this step reaches the end of the sequence: sample from it
+
+
+@dataclass(frozen=True)
+class KnownSeqStep:
+    seq_id: int
+    token_ids: Tuple[int, ...]
+    new_block_ids: Tuple[int, ...]  # appended to the mirrored block table
+    needs_logits: bool
+
+
+SeqStep = Union[NewSeqStep, KnownSeqStep]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One engine step. ``freed_ids`` are dropped from the mirrors before ``seqs`` run."""
+
+    seqs: Tuple[SeqStep, ...] = ()
+    freed_ids: Tuple[int, ...] = ()
+    shutdown: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+def broadcast_plan(plan: Optional[StepPlan], cpu_group: Optional[dist.ProcessGroup],
+                   src: int = 0) -> StepPlan:
+    """Send ``plan`` from ``src`` (pass None on the other ranks); every rank returns it."""
+    if cpu_group is None:
+        assert plan is not None
+        return plan
+    global_src = dist.get_global_rank(cpu_group, src)
+    if plan is not None:
+        payload = torch.frombuffer(bytearray(pickle.dumps(plan)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        dist.broadcast(size, src=global_src, group=cpu_group)
+        dist.broadcast(payload, src=global_src, group=cpu_group)
+        return plan
+    size = torch.empty(1, dtype=torch.int64)
+    dist.broadcast(size, src=global_src, group=cpu_group)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(payload, src=global_src, group=cpu_group)
+    return pickle.loads(payload.numpy().tobytes())
