@@ -24,11 +24,18 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """Append a token; returns the new text (possibly empty)."""
         self._ids.append(token_id)
+        return self._emit(hold_incomplete=True)
+
+    def flush(self) -> str:
+        """At the end of a request: emit what was held back, incomplete characters included."""
+        return self._emit(hold_incomplete=False)
+
+    def _emit(self, hold_incomplete: bool) -> str:
         decode = self.tokenizer.decode
         prefix = decode(self._ids[self._prefix_offset:self._read_offset],
                         skip_special_tokens=True)
         full = decode(self._ids[self._prefix_offset:], skip_special_tokens=True)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(prefix) or (hold_incomplete and full.endswith("\ufffd")):
             return ""
         delta = full[len(prefix):]
         self._prefix_offset = self._read_offset

@@ -213,6 +213,8 @@ class LLMEngine:
                 reason = FinishReason.STOP
         if reason is None and request.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
+        if detok is not None and reason is not None and reason is not FinishReason.STOP:
+            delta += detok.flush()
         if reason is not None:
             self.scheduler.finish(request, reason)
         return self._output(request, [token.token_id], delta)

@@ -1,0 +1,62 @@
+"""Paged attention over scattered blocks equals dense causal attention on contiguous tensors."""
+
+import random
+
+import pytest
+import torch
+
+from kv.attention_metadata import SeqSlice, build_attention_metadata
+from kv.kv_cache import write_kv
+from kv.paged_attention import paged_attention
+
+
+def dense_reference(q, k, v, num_computed, window=None):
+    """q [Lq, H, D] for positions num_computed.., k/v [Lctx, Hkv, D]; causal (+ window)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
+    q_pos = torch.arange(q.shape[0])[:, None] + num_computed
+    k_pos = torch.arange(k.shape[0])[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
+
+
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (4, 2, None), (6, 1, 5)])
+def test_paged_matches_dense(heads, kv_heads, window):
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    block_size, head_dim, num_blocks = 4, 8, 64
+    k_cache = torch.zeros(num_blocks * block_size, kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    free_blocks = list(range(num_blocks))
+    rng.shuffle(free_blocks)  # blocks scattered across the pool
+    # (cached prefix length, new tokens): decodes, a prefill on top of a cached prefix, a fresh one
+    shapes = [(9, 1), (0, 11), (6, 7), (14, 1), (0, 1)]
+    seqs, full_k, full_v, queries = [], [], [], []
+    for num_computed, q_len in shapes:
+        ctx = num_computed + q_len
+        blocks = [free_blocks.pop() for _ in range(-(-ctx // block_size))]
+        k = torch.randn(ctx, kv_heads, head_dim)
+        v = torch.randn(ctx, kv_heads, head_dim)
+        prefix_slots = [blocks[p // block_size] * block_size + p % block_size
+                        for p in range(num_computed)]
+        k_cache[prefix_slots] = k[:num_computed]
+        v_cache[prefix_slots] = v[:num_computed]
+        seqs.append(SeqSlice(q_len, num_computed, blocks))
+        full_k.append(k)
+        full_v.append(v)
+        queries.append(torch.randn(q_len, heads, head_dim))
+    meta = build_attention_metadata(seqs, block_size, torch.device("cpu"), window)
+    new_k = torch.cat([k[s.num_computed:] for k, s in zip(full_k, seqs)])
+    new_v = torch.cat([v[s.num_computed:] for v, s in zip(full_v, seqs)])
+    write_kv(k_cache, v_cache, new_k, new_v, meta.slot_mapping)
+    out = paged_attention(torch.cat(queries), k_cache, v_cache, meta, head_dim ** -0.5)
+    expected = torch.cat([dense_reference(q, k, v, s.num_computed, window)
+                          for q, k, v, s in zip(queries, full_k, full_v, seqs)])
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert meta.positions.tolist()[:2] == [9, 0]  # decode at position 9, then the fresh prefill

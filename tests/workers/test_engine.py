@@ -1,0 +1,132 @@
+"""Engine behaviour on a tiny real checkpoint: streaming, stops, abort, limits, sampling."""
+
+import pytest
+
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.llm import LLM
+from workers.sampling_params import SamplingParams
+
+GREEDY = dict(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    eng = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=128))
+    yield eng
+    eng.shutdown()
+
+
+def run(engine, prompt, **params):
+    rid = engine.add_request(prompt, SamplingParams(**params))
+    stream = []
+    while engine.has_unfinished():
+        stream.extend(o for o in engine.step() if o.request_id == rid)
+    return stream
+
+
+def test_stream_deltas_add_up_to_the_final_text(engine):
+    stream = run(engine, "the quick brown fox", max_tokens=12, **GREEDY)
+    final = stream[-1]
+    assert final.finished and final.finish_reason == "length"
+    assert len(final.output_token_ids) == 12
+    assert "".join(o.delta_text for o in stream) == final.text
+    assert [t for o in stream for t in o.new_token_ids] == final.output_token_ids
+    assert final.text == engine.tokenizer.decode(final.output_token_ids, skip_special_tokens=True)
+
+
+def test_stop_token_ends_the_request_with_it_included(engine):
+    full = run(engine, [5, 6, 7], max_tokens=10, **GREEDY)[-1].output_token_ids
+    stop_at = full[4]
+    out = run(engine, [5, 6, 7], max_tokens=10, stop_token_ids=(stop_at,), **GREEDY)[-1]
+    assert out.finish_reason == "stop"
+    assert out.output_token_ids == full[:full.index(stop_at) + 1]
+
+
+def test_stop_string_truncates_the_text(engine):
+    full = run(engine, "hello world", max_tokens=40, **GREEDY)[-1]
+    printable = [i for i in range(len(full.text) - 2) if full.text[i:i + 3].isprintable()]
+    stop = full.text[printable[1]:printable[1] + 3]  # not at the very start
+    out = run(engine, "hello world", max_tokens=40, stop=(stop,), **GREEDY)[-1]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:full.text.find(stop)]
+    assert stop not in out.text
+
+
+def test_eos_stops_unless_ignored(tiny_llama):
+    # Make every token an EOS for this engine: the first sampled token ends the request.
+    with LLM(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=64)) as llm:
+        first = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=5, **GREEDY))[0]
+        llm.engine.model_config = llm.engine.model_config.__class__(
+            **{**llm.engine.model_config.__dict__, "eos_token_ids": (first.output_token_ids[0],)})
+        stopped = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=5, **GREEDY))[0]
+        ignored = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=5, ignore_eos=True,
+                                                           **GREEDY))[0]
+    assert stopped.finish_reason == "stop" and len(stopped.output_token_ids) == 1
+    assert ignored.output_token_ids == first.output_token_ids
+
+
+def test_abort_finishes_the_request_and_frees_its_blocks(engine):
+    rid = engine.add_request([3] * 20, SamplingParams(max_tokens=50, **GREEDY))
+    engine.step()
+    assert engine.kv_usage().num_used_blocks > 0
+    engine.abort(rid)
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(rid, "abort")]
+    assert engine.kv_usage().num_used_blocks == 0
+    assert not engine.has_unfinished()
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(engine):
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=1234)
+    alone = run(engine, [11, 12, 13], **params.__dict__)[-1].output_token_ids
+    ids = [engine.add_request([11, 12, 13], params),
+           engine.add_request([40, 41], SamplingParams(max_tokens=8, temperature=1.0))]
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finals[ids[0]].output_token_ids == alone
+
+
+def test_logprobs_are_returned_per_token(engine):
+    out = run(engine, [20, 21], max_tokens=3, logprobs=2, **GREEDY)[-1]
+    assert len(out.logprobs) == 3
+    for tok, lp in zip(out.output_token_ids, out.logprobs):
+        assert lp.token_id == tok and lp.logprob <= 0.0
+        assert len(lp.top_logprobs) == 2 and lp.top_logprobs[0][0] == tok  # greedy: top-1
+
+
+def test_prompt_longer_than_the_context_is_rejected(engine):
+    with pytest.raises(ValueError, match="prompt has 300 tokens; the model's context is 256"):
+        engine.add_request([3] * 300, SamplingParams())
+
+
+@pytest.mark.parametrize("prompt,match", [([], "empty"), ([3, 9999], r"integers in \[0, 509\)")])
+def test_bad_prompts_are_rejected(engine, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, SamplingParams())
+
+
+def test_a_request_larger_than_the_pool_finishes_without_deadlock(tiny_llama):
+    with LLM(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=4)) as llm:
+        outs = llm.generate([[3] * 20, [4] * 6],
+                            SamplingParams(max_tokens=30, ignore_eos=True, **GREEDY))
+    assert outs[0].finish_reason == "length" and outs[0].output_token_ids == []
+    # 16 slots hold the 6 prompt tokens and 10 outputs; the 11th output is sampled, then the
+    # request can grow no further.
+    assert outs[1].finish_reason == "length" and len(outs[1].output_token_ids) == 11
+
+
+def test_context_limit_ends_generation(tiny_llama):
+    with LLM(EngineConfig(model=str(tiny_llama), block_size=4, max_model_len=12)) as llm:
+        out = llm.generate([[3] * 8], SamplingParams(max_tokens=50, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.output_token_ids) == 4
+
+
+def test_kv_waste_is_the_unfilled_tail_of_each_request(engine):
+    engine.add_request([7] * 10, SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY))
+    engine.step()
+    usage = engine.kv_usage()  # 10 tokens in 3 blocks of 4: 2 empty slots of 12
+    assert usage.num_allocated_slots == 12 and usage.num_filled_slots == 10
+    while engine.has_unfinished():
+        engine.step()
