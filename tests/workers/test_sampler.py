@@ -1,0 +1,79 @@
+"""The sampler: greedy, filters, seeded draws, logprobs; SamplingParams validation."""
+
+import math
+
+import pytest
+import torch
+
+from workers.sampler import sample
+from workers.sampling_params import SamplingParams
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_greedy_is_argmax_per_row():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [5.0, 1.0, 4.9]])
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 2, [gen(), gen()])
+    assert [t.token_id for t in out] == [1, 0]
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy_at_any_temperature():
+    logits = torch.randn(4, 50, generator=gen(3))
+    for params in (SamplingParams(temperature=5.0, top_k=1),
+                   SamplingParams(temperature=5.0, top_p=1e-6)):
+        out = sample(logits, [params] * 4, [gen(i) for i in range(4)])
+        assert [t.token_id for t in out] == logits.argmax(-1).tolist()
+
+
+def test_top_k_never_draws_outside_the_top_k():
+    logits = torch.arange(10, dtype=torch.float32)[None]
+    params = SamplingParams(temperature=10.0, top_k=3)
+    draws = {sample(logits, [params], [gen(s)])[0].token_id for s in range(200)}
+    assert draws == {7, 8, 9}
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    params = SamplingParams(temperature=1.0, top_p=0.75)  # 0.5 + 0.3 reaches it
+    draws = {sample(probs.log(), [params], [gen(s)])[0].token_id for s in range(300)}
+    assert draws == {0, 1}
+
+
+def test_draws_follow_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    g = gen(1)
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[sample(probs.log()[None], [SamplingParams()], [g])[0].token_id] += 1
+    assert torch.allclose(counts / 3000, probs, atol=0.03)
+
+
+def test_same_seed_same_tokens():
+    logits = torch.randn(1, 1000, generator=gen(5))
+
+    def draws(seed):
+        g = gen(seed)
+        return [sample(logits, [SamplingParams()], [g])[0].token_id for _ in range(8)]
+
+    assert draws(42) == draws(42)
+    assert draws(42) != draws(43)
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    out = sample(logits, [SamplingParams(temperature=0.0, logprobs=2)], [gen()])[0]
+    expected = torch.log_softmax(logits[0], -1)
+    assert out.token_id == 2 and math.isclose(out.logprob, expected[2].item(), rel_tol=1e-6)
+    assert [t for t, _ in out.top_logprobs] == [2, 1]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_k=0), "top_k"), (dict(logprobs=21), "logprobs"),
+    (dict(stop=("",)), "stop"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
