@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-fast install model bench clean
+.PHONY: test test-fast install model bench serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not multiproc and not ray"
+
+serve: $(STAMP)
+	@echo 'tpserve serve arrives with the serving issue; for now: make model, then $(VENV)/bin/tpserve generate --prompt ...' >&2
+	@exit 2
 
 model: $(STAMP)
 	$(VENV)/bin/tpserve model default
