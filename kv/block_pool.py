@@ -17,6 +17,7 @@ block and that block's stored tokens are the ones the hash was made of.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import itertools
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from kv.prefix_hash import BlockHash
@@ -163,6 +164,10 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
+
+    def cached_hashes(self, limit: int) -> List[BlockHash]:
+        """Up to ``limit`` hashes in the prefix cache, most recently cached first. O(limit)."""
+        return list(itertools.islice(reversed(self._cached), limit))
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is None:

@@ -25,7 +25,7 @@ from workers.default_model import resolve_model_path
 from workers.detokenizer import IncrementalDetokenizer
 from workers.loader import checkpoint_files
 from workers.model_config import ModelConfig, load_model_config
-from workers.multiproc import RankProcesses, free_tcp_init_method
+from workers.multiproc import RankLauncher, RankProcesses, free_tcp_init_method
 from workers.rank import RankConfig, build_rank, resolve_dtype
 from workers.request import FinishReason, Request, RequestId
 from workers.sampler import SampledToken, sample
@@ -66,8 +66,12 @@ class StepRecord:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, launcher: RankLauncher = RankProcesses,
+                 init_host: str = "127.0.0.1") -> None:
+        """``launcher`` starts ranks 1..N-1 from their configs (local processes by default; the
+        serving layer passes Ray actors); ``init_host`` is the address rank 0 listens on."""
         self.config = config
+        self._init_host = init_host
         self.model_dir = resolve_model_path(config.model)
         self.model_config = load_model_config(self.model_dir)
         self.model_config.check_tp_size(config.tp_size)
@@ -76,9 +80,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         rank_configs = self._rank_configs()
         self.num_kv_blocks = rank_configs[0].num_kv_blocks
-        self._children: Optional[RankProcesses] = None
-        if config.tp_size > 1:
-            self._children = RankProcesses(rank_configs[1:])
+        self._children = launcher(rank_configs[1:]) if config.tp_size > 1 else None
         self.rank = build_rank(rank_configs[0])
         if self._children is not None:
             self._children.wait_ready()
@@ -108,7 +110,7 @@ class LLMEngine:
         dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if use_cuda else "cpu"),
                               model.torch_dtype)
         num_blocks = cfg.num_kv_blocks or self._default_num_blocks(model, dtype)
-        init = free_tcp_init_method() if cfg.tp_size > 1 else None
+        init = free_tcp_init_method(self._init_host) if cfg.tp_size > 1 else None
         threads = None if use_cuda else max(1, (torch.get_num_threads()) // cfg.tp_size)
         return [
             RankConfig(str(self.model_dir), TPGroupConfig(rank, cfg.tp_size, init),

@@ -9,13 +9,24 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from typing import List
+from typing import Callable, List, Protocol
 
 import torch.multiprocessing as mp
 
 from workers.rank import RankConfig, build_rank, serve_plans
 
 logger = logging.getLogger(__name__)
+
+
+class RankHandles(Protocol):
+    """Started ranks 1..N-1, however they were launched."""
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None: ...
+
+    def join(self, timeout_s: float = 30.0) -> None: ...
+
+
+RankLauncher = Callable[[List[RankConfig]], RankHandles]
 
 
 def free_tcp_init_method(host: str = "127.0.0.1") -> str:

@@ -1,0 +1,64 @@
+"""The engine on its thread, streamed to asyncio: concurrency, abort on cancel, errors."""
+
+import asyncio
+
+import pytest
+
+from workers.async_engine import AsyncLLMEngine
+from workers.config import EngineConfig
+from workers.engine import LLMEngine
+from workers.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    eng = AsyncLLMEngine(lambda: LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4,
+                                                        num_kv_blocks=128)))
+    yield eng
+    eng.shutdown()
+
+
+async def collect(engine, prompt, request_id, **params):
+    return [o async for o in engine.generate(prompt, SamplingParams(**params), request_id)]
+
+
+def test_concurrent_streams_match_the_sync_engine(engine, tiny_llama):
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13] * 9]
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, f"r{i}", max_tokens=6, temperature=0.0)
+                                      for i, p in enumerate(prompts)))
+
+    streams = asyncio.run(main())
+    with LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=64)) as sync:
+        for prompt, stream in zip(prompts, streams):
+            rid = sync.add_request(prompt, SamplingParams(max_tokens=6, temperature=0.0))
+            final = None
+            while sync.has_unfinished():
+                final = next((o for o in sync.step() if o.request_id == rid), final)
+            assert stream[-1].output_token_ids == final.output_token_ids
+            assert [t for o in stream for t in o.new_token_ids] == final.output_token_ids
+
+
+def test_cancelled_stream_aborts_the_request(engine):
+    async def main():
+        agen = engine.generate([3] * 5, SamplingParams(max_tokens=200, ignore_eos=True), "c1")
+        await agen.__anext__()
+        await agen.aclose()  # what a disconnecting client does
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            if engine.load.num_running == 0 and engine.load.kv.num_used_blocks == 0:
+                return True
+        return False
+
+    assert asyncio.run(main())
+
+
+def test_bad_request_raises_to_the_caller_only(engine):
+    async def main():
+        with pytest.raises(ValueError, match="prompt is empty"):
+            await collect(engine, [], "bad")
+        return await collect(engine, [4, 5], "good", max_tokens=2)
+
+    assert len(asyncio.run(main())[-1].output_token_ids) == 2
+    assert engine.is_alive

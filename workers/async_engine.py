@@ -1,0 +1,169 @@
+"""The engine on a background thread, streaming to asyncio callers (the serving replica).
+
+One thread owns the ``LLMEngine`` and steps it while there is work; callers on an event loop
+submit requests and receive each request's outputs through an ``asyncio.Queue``. Adding and
+aborting go through a command queue, so the engine is only ever touched by its thread. If a step
+fails (a rank died, a collective timed out) every request in flight gets the error and the engine
+reports itself dead, so its host can replace it; nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+from kv.kv_manager import KVUsage
+from workers.engine import LLMEngine, RequestOutput
+from workers.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, Sequence[int]]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (a rank failed or it was shut down); its requests cannot finish."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine reports to the router, refreshed after every step."""
+
+    seq: int
+    time: float
+    kv: KVUsage
+    num_running: int
+    num_waiting: int
+    num_waiting_tokens: int
+    cached_block_hashes: Tuple[int, ...]
+
+
+_Command = Tuple[str, tuple, Optional[Future]]
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine_factory: Callable[[], LLMEngine], max_cached_hashes: int = 4096
+                 ) -> None:
+        """Builds the engine on the calling thread (so load errors raise here), then starts."""
+        self.engine = engine_factory()
+        self._max_cached_hashes = max_cached_hashes
+        self._commands: "queue.Queue[_Command]" = queue.Queue()
+        self._streams: Dict[str, Tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._error: Optional[BaseException] = None
+        self._stopping = False
+        self._load_seq = 0
+        self.load = self._snapshot_load()
+        self._thread = threading.Thread(target=self._run, name="tpserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        return self._error
+
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; cancelling the iteration aborts the request."""
+        if not self.is_alive:
+            raise EngineDeadError(f"engine is not running: {self._error}")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, outputs)
+        added: Future = Future()
+        self._commands.put(("add", (prompt, params, request_id), added))
+        try:
+            await asyncio.wrap_future(added)  # raises ValueError on bad input
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if self._streams.pop(request_id, None) is not None and self.is_alive:
+                self._commands.put(("abort", (request_id,), None))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", (request_id,), None))
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        self._stopping = True
+        self._commands.put(("stop", (), None))
+        self._thread.join(timeout_s)
+        self.engine.shutdown()
+
+    # ----- the engine thread -----
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+                    self.load = self._snapshot_load()
+        except Exception as exc:  # a rank or a collective failed: fail everything in flight
+            logger.exception("engine step failed; failing %d requests", len(self._streams))
+            self._error = exc
+            self._fail_all(EngineDeadError(f"engine failed: {exc}"))
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, name: str, args: tuple, done: Optional[Future]) -> None:
+        if name == "add":
+            try:
+                self.engine.add_request(args[0], args[1], request_id=args[2])
+            except ValueError as exc:
+                done.set_exception(exc)
+                self._streams.pop(args[2], None)
+                return
+            done.set_result(None)
+        elif name == "abort":
+            self.engine.abort(args[0])
+
+    def _deliver(self, outputs: List[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                loop, q = stream
+                loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for loop, q in list(self._streams.values()):
+            loop.call_soon_threadsafe(q.put_nowait, error)
+        while True:
+            try:
+                _, _, done = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if done is not None and not done.done():
+                done.set_exception(error)
+
+    def _snapshot_load(self) -> EngineLoad:
+        sched = self.engine.scheduler
+        self._load_seq += 1
+        return EngineLoad(
+            seq=self._load_seq, time=time.time(), kv=sched.kv_usage(),
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+            cached_block_hashes=tuple(sched.kv.pool.cached_hashes(self._max_cached_hashes)),
+        )
