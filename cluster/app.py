@@ -1,0 +1,101 @@
+"""The Serve application: an OpenAI-compatible ingress in front of N tensor-parallel groups.
+
+Resource requests are derived here, in one place, from the configuration and the cluster: a GPU
+per rank on GPU clusters; on CPU-only hosts a fractional CPU share per rank so that every group's
+placement group fits beside the others (a 2-core host runs 2 groups of TP 2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from ray import serve
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+
+from cluster.autoscaling import KVLoadPolicy
+from cluster.group_deployment import GroupResources, TPGroupServer
+from cluster.ingress import build_ingress
+from cluster.kv_router import KVAwareRouter
+from workers.config import EngineConfig
+from workers.default_model import resolve_model_path
+from workers.model_config import load_model_config
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    engine: EngineConfig
+    min_groups: int = 1
+    max_groups: int = 1
+    kv_target_occupancy: float = 0.70
+    api_key: Optional[str] = None
+    served_model_name: Optional[str] = None
+    routing_stats_period_s: float = 0.5
+    max_ongoing_requests: int = 256
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_groups <= self.max_groups:
+            raise ValueError(f"--groups must be N or MIN:MAX with 1 <= MIN <= MAX, got "
+                             f"{self.min_groups}:{self.max_groups}")
+        if not 0.0 < self.kv_target_occupancy <= 1.0:
+            raise ValueError(f"--kv-target-occupancy must be in (0, 1], got "
+                             f"{self.kv_target_occupancy}")
+
+
+def parse_groups(text: str) -> tuple:
+    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4)."""
+    try:
+        parts = [int(p) for p in text.split(":")]
+    except ValueError:
+        raise ValueError(f"--groups must be N or MIN:MAX, got {text!r}") from None
+    if len(parts) not in (1, 2):
+        raise ValueError(f"--groups must be N or MIN:MAX, got {text!r}")
+    return parts[0], parts[-1]
+
+
+def group_resources(config: ServeConfig, cluster: Dict[str, float]) -> GroupResources:
+    """One GPU per rank where GPUs are used; else an equal share of the cluster's CPUs."""
+    engine = config.engine
+    use_gpus = engine.device == "cuda" or (engine.device == "auto" and cluster.get("GPU", 0) > 0)
+    if use_gpus:
+        return GroupResources(cpus_per_rank=1.0, gpus_per_rank=1.0)
+    num_ranks = engine.tp_size * config.max_groups
+    share = math.floor(cluster.get("CPU", 1.0) / num_ranks * 10) / 10
+    return GroupResources(cpus_per_rank=min(1.0, max(0.1, share)), gpus_per_rank=0.0)
+
+
+def build_app(config: ServeConfig, cluster: Dict[str, float]):
+    """The Serve application for ``config`` on a cluster with resources ``cluster``."""
+    engine = config.engine
+    model_dir = resolve_model_path(engine.model)
+    engine = EngineConfig(**{**engine.__dict__, "model": str(model_dir)})
+    resources = group_resources(config, cluster)
+    scaling: Dict = {"num_replicas": config.min_groups}
+    if config.max_groups > config.min_groups:
+        scaling = {"autoscaling_config": AutoscalingConfig(
+            min_replicas=config.min_groups, max_replicas=config.max_groups,
+            policy=AutoscalingPolicy(
+                policy_function=KVLoadPolicy,
+                policy_kwargs={"target_occupancy": config.kv_target_occupancy}))}
+    groups = serve.deployment(TPGroupServer).options(
+        name="TPGroup",
+        placement_group_bundles=resources.bundles(engine.tp_size),
+        placement_group_strategy="PACK",
+        ray_actor_options={"num_cpus": resources.cpus_per_rank,
+                           "num_gpus": resources.gpus_per_rank},
+        max_ongoing_requests=config.max_ongoing_requests,
+        health_check_period_s=2.0,
+        request_router_config=RequestRouterConfig(
+            request_router_class=KVAwareRouter,
+            request_router_kwargs={"target_occupancy": config.kv_target_occupancy},
+            request_routing_stats_period_s=config.routing_stats_period_s,
+            request_routing_stats_timeout_s=max(1.0, config.routing_stats_period_s * 2)),
+        **scaling,
+    ).bind(engine, resources)
+    name = config.served_model_name or model_dir.name
+    max_positions = load_model_config(model_dir).max_position_embeddings
+    return build_ingress(groups, model_dir=str(model_dir), served_model_name=name,
+                         block_size=engine.block_size,
+                         max_model_len=min(engine.max_model_len or max_positions, max_positions),
+                         api_key=config.api_key)

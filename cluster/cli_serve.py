@@ -1,0 +1,64 @@
+"""`tpserve serve`: run the Serve application on a local Ray (default) or an existing cluster."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+
+from cluster.cli_generate import add_engine_arguments, engine_config
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="serve a model with an OpenAI-compatible API")
+    add_engine_arguments(parser)
+    parser.add_argument("--groups", default="1", help="TP groups: N, or MIN:MAX to autoscale")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument("--kv-target-occupancy", type=float, default=0.70,
+                        help="router's KV occupancy target per group (default 0.70)")
+    parser.add_argument("--api-key", default=os.environ.get("TPSERVE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default $TPSERVE_API_KEY)")
+    parser.add_argument("--served-model-name", default=None, help="model name in the API")
+    parser.add_argument("--address", default=None,
+                        help="join this Ray cluster instead of starting a local one")
+    parser.set_defaults(func=run, seed=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from cluster.app import ServeConfig, build_app, parse_groups
+
+    min_groups, max_groups = parse_groups(args.groups)
+    config = ServeConfig(engine=engine_config(args), min_groups=min_groups,
+                         max_groups=max_groups, kv_target_occupancy=args.kv_target_occupancy,
+                         api_key=args.api_key, served_model_name=args.served_model_name)
+    if args.address:
+        ray.init(address=args.address)
+    else:
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(config, ray.cluster_resources()), name="tpserve", route_prefix="/")
+        print(f"tpserve: serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+        _wait_for_signal()
+    finally:
+        from cluster.metrics import kill_metrics_store
+
+        serve.shutdown()
+        kill_metrics_store()  # detached, so it would outlive the app on a shared cluster
+        ray.shutdown()
+    return 0
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()

@@ -1,0 +1,498 @@
+"""The KV-aware Serve request router: a Ray edge around `cluster.placement.rank_groups`.
+
+    caller: handle.generate.remote(payload, num_tokens=T, block_hashes=H)   (block_size=B optional)
+      -> KVAwareRouter.choose_replicas: each replica's routing stats + tokens charged to it since
+         -> GroupLoads -> rank_groups -> [[best replica], [next], ..., [replicas without a report]]
+         and T is charged to the first choice at once (the rest of a burst must see it)
+      -> Serve tries the ranks in order (a full replica, by its queue length, is passed over)
+      -> on_request_routed: a replica accepted it; count the reason, move the charge there
+
+The keyword arguments reach the replica's method too, so the group deployment's ``generate``
+accepts ``num_tokens``, ``block_hashes`` and ``block_size``. Its ``record_routing_stats()`` returns
+
+    {"seq": int, "time": float (time.time() when taken), "kv_blocks_used": int,
+     "kv_blocks_total": int, "block_size": int, "waiting_tokens": int,
+     "cached_block_hashes": list[int]}
+
+where ``kv_blocks_used`` and ``waiting_tokens`` cover every request the replica accepted before
+``time``. The controller polls it every ``request_routing_stats_period_s`` and pushes it to the
+routers when it changes, so a report is up to about two periods old when read.
+
+Sent-token accounting: a charge carries the time the replica accepted the request. When a report
+with a new ``seq`` arrives, the charges older than the report's ``time`` are in the report and are
+dropped; the rest stay counted. (Resetting the count on each new report would forget the requests
+sent while the report was in transit, about half a period of traffic.) A charge for a request
+cancelled while routing goes the same way, one report later. Times are compared across hosts, so
+this assumes clocks in step (NTP). Acceptance is only seen through Serve's rejection protocol (on
+unless the caller is a Ray Client or Java): without it charges stay on the first choice and no
+reasons are counted.
+
+Replicas without a usable report (just started, or a malformed report, which is logged once)
+rank last, together, so Serve picks among them by queue length: a new group gets traffic once it
+reports, or when every reported group is full. When no replica has a report (right after
+start-up), or for calls without ``num_tokens`` (anything but generation), the router falls back
+to Serve's power of two choices. Every routed request counts one reason in `decision_counts()`: a
+`PlacementReason` value or one of the ``FALLBACK_*`` / `NO_REPORT` labels below.
+
+One router lives in each caller process per deployment handle. Its decision counts are handed to
+`cluster.metrics.register_router_decisions` (exported as ``tpserve:router_decisions``), and
+`live_routers()` lists the live routers of this process (decision times, group loads).
+
+Serve cloudpickles this module by value into every caller
+(`RequestRouterConfig._serialize_request_router_cls`), so the class a handle runs is a copy, not
+the `KVAwareRouter` importable here: nothing unpicklable may hang off the class or the globals its
+methods use, and the registry is reached through the imported module, by name.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, FrozenSet, List, Mapping, Optional, Tuple
+
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import (
+    LocalityMixin,
+    MultiplexMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from cluster.metrics import register_router_decisions
+from cluster.placement import (
+    DEFAULT_MAX_REPORT_AGE_S,
+    DEFAULT_TARGET_OCCUPANCY,
+    GroupLoad,
+    Placement,
+    RequestDemand,
+    rank_groups,
+)
+from kv.prefix_hash import BlockHash
+
+logger = logging.getLogger(__name__)
+
+FALLBACK_NO_NUM_TOKENS = "fallback_no_num_tokens"  # no num_tokens kwarg: not a generation call
+FALLBACK_BAD_DEMAND = "fallback_bad_demand"  # num_tokens / block_hashes / block_size unusable
+FALLBACK_NO_REPORTS = "fallback_no_reports"  # no replica has reported its load yet
+NO_REPORT = "no_report"  # placed on a replica without a report (every reported one was full)
+
+REPORT_KEYS = (
+    "seq",
+    "time",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "block_size",
+    "waiting_tokens",
+    "cached_block_hashes",
+)
+# A cached GroupLoad is rebuilt when its report age is this much out of date (or when a report or
+# a charge changes it). The age only decides staleness against limits of seconds; rebuilding all
+# loads more often would cost more than the ranking itself.
+LOAD_AGE_REFRESH_S = 0.5
+# Decisions waiting for on_request_routed. Serve may report a fast request completed before it
+# reports it routed, so completion cannot clear them; the ones never routed (cancelled while
+# waiting for a replica) leave the oldest-first once this many wait.
+MAX_PENDING_REQUESTS = 4096
+
+# The routers of this process; see the module doc for why methods reach these by module name.
+_live_routers: "weakref.WeakSet[KVAwareRouter]" = weakref.WeakSet()
+_live_routers_lock = threading.Lock()
+
+
+def live_routers() -> List["KVAwareRouter"]:
+    """The live KV-aware routers of this process (one per deployment handle that routed)."""
+    with _live_routers_lock:
+        return list(_live_routers)
+
+
+def _register(router: "KVAwareRouter") -> None:
+    module = importlib.import_module(__name__)  # the imported module, even from a pickled copy
+    with module._live_routers_lock:
+        module._live_routers.add(router)
+
+
+def kv_aware_router_config(
+    target_occupancy: float = DEFAULT_TARGET_OCCUPANCY,
+    stats_period_s: float = 0.5,
+    stats_timeout_s: Optional[float] = None,
+    max_report_age_s: Optional[float] = None,
+    block_size: Optional[int] = None,
+    num_decision_times: int = 4096,
+) -> RequestRouterConfig:
+    """The ``request_router_config`` of a group deployment, validated here rather than in the
+    first caller. ``max_report_age_s`` defaults to the larger of 5 s and ten stats periods;
+    ``block_size`` is the one the callers' ``block_hashes`` use (by default, the groups')."""
+    if max_report_age_s is None:
+        max_report_age_s = max(DEFAULT_MAX_REPORT_AGE_S, 10 * stats_period_s)
+    kwargs: Dict[str, Any] = dict(
+        target_occupancy=target_occupancy,
+        max_report_age_s=max_report_age_s,
+        block_size=block_size,
+        num_decision_times=num_decision_times,
+    )
+    _RouterSettings(**kwargs)  # raises ValueError now, not on the first request
+    return RequestRouterConfig(
+        request_router_class=KVAwareRouter,
+        request_router_kwargs=kwargs,
+        request_routing_stats_period_s=stats_period_s,
+        request_routing_stats_timeout_s=stats_timeout_s or max(1.0, 2 * stats_period_s),
+    )
+
+
+@dataclass(frozen=True)
+class _RouterSettings:
+    """``request_router_kwargs`` of `KVAwareRouter`."""
+
+    target_occupancy: float = DEFAULT_TARGET_OCCUPANCY
+    max_report_age_s: float = DEFAULT_MAX_REPORT_AGE_S
+    block_size: Optional[int] = None
+    num_decision_times: int = 4096
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.target_occupancy <= 1.0:
+            raise ValueError(
+                f"target_occupancy must be in (0, 1] (a fraction of the KV pool), "
+                f"got {self.target_occupancy}"
+            )
+        if not self.max_report_age_s > 0:
+            raise ValueError(f"max_report_age_s must be positive, got {self.max_report_age_s}")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_decision_times < 1:
+            raise ValueError(f"num_decision_times must be >= 1, got {self.num_decision_times}")
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One replica's routing stats, parsed (see the module doc for the dict)."""
+
+    seq: int
+    time: float
+    num_blocks_used: int
+    num_blocks_total: int
+    block_size: int
+    num_waiting_tokens: int
+    cached_block_hashes: FrozenSet[BlockHash]
+
+
+def parse_report(stats: Mapping[str, Any]) -> LoadReport:
+    """The group deployment's routing stats as a `LoadReport`; ValueError names what is wrong."""
+    missing = [key for key in REPORT_KEYS if key not in stats]
+    if missing:
+        raise ValueError(f"routing stats lack {missing} (have {sorted(stats)})")
+    ints = ("seq", "kv_blocks_used", "kv_blocks_total", "block_size", "waiting_tokens")
+    for key in ints:
+        if not isinstance(stats[key], int):
+            raise ValueError(f"routing stats {key!r} must be an int, got {stats[key]!r}")
+    if not isinstance(stats["time"], (int, float)):
+        raise ValueError(f"routing stats 'time' must be a number, got {stats['time']!r}")
+    return LoadReport(
+        seq=stats["seq"],
+        time=float(stats["time"]),
+        num_blocks_used=stats["kv_blocks_used"],
+        num_blocks_total=stats["kv_blocks_total"],
+        block_size=stats["block_size"],
+        num_waiting_tokens=stats["waiting_tokens"],
+        cached_block_hashes=frozenset(stats["cached_block_hashes"]),
+    )
+
+
+class ReplicaLoadTracker:
+    """One replica's load as this router knows it: its last report plus what was sent since.
+
+    No Ray in here: ``observe`` takes the stats dict and the time, so it is tested on plain
+    inputs. Costs: O(hashes) once per new report, O(1) amortized per decision and per charge.
+    """
+
+    def __init__(self, group_id: str) -> None:
+        self.group_id = group_id
+        self._report: Optional[LoadReport] = None
+        self._stats: Optional[Mapping[str, Any]] = None  # the stats dict last looked at
+        # (seq,) of the last report taken or refused (a refused one is logged once).
+        self._seen: Optional[Tuple[Any]] = None
+        # request id -> (time charged, tokens), oldest first.
+        self._charges: "collections.OrderedDict[str, Tuple[float, int]]" = (
+            collections.OrderedDict()
+        )
+        self.num_tokens_sent = 0
+        self._load: Optional[GroupLoad] = None
+        self._load_built_at = 0.0
+
+    def observe(self, stats: Optional[Mapping[str, Any]], now: float) -> Optional[GroupLoad]:
+        """The group's load at ``now`` given the replica's current stats; None without a report."""
+        # Serve hands over a new dict with each update, so the same dict needs no second look.
+        if stats is not self._stats:
+            self._stats = stats
+            if stats and (stats.get("seq"),) != self._seen:
+                self._take_report(stats, now)
+        if self._report is None:
+            return None
+        if self._load is None or now - self._load_built_at > LOAD_AGE_REFRESH_S:
+            self._load = self._build_load(self._report, now)
+            self._load_built_at = now
+        return self._load
+
+    def current_load(self, now: float) -> Optional[GroupLoad]:
+        """The load at ``now`` without touching any state (for readers on other threads)."""
+        report = self._report
+        return None if report is None else self._build_load(report, now)
+
+    def charge(self, request_id: str, num_tokens: int, now: float) -> None:
+        """Count ``num_tokens`` against the replica from ``now`` on (again: re-stamped)."""
+        self.release(request_id)
+        self._charges[request_id] = (now, num_tokens)
+        self.num_tokens_sent += num_tokens
+        self._load = None
+
+    def release(self, request_id: str) -> None:
+        """Take back a charge (the request went elsewhere); no-op if there is none."""
+        charge = self._charges.pop(request_id, None)
+        if charge is not None:
+            self.num_tokens_sent -= charge[1]
+            self._load = None
+
+    def _take_report(self, stats: Mapping[str, Any], now: float) -> None:
+        self._seen = (stats.get("seq"),)
+        try:
+            report = parse_report(stats)
+            self._build_load(report, now)  # GroupLoad checks the numbers
+        except (ValueError, TypeError) as e:
+            # Keep the last good report, if any: it turns stale unless a good one follows.
+            logger.warning("ignoring routing stats of replica %s: %s", self.group_id, e)
+            return
+        self._report = report
+        # Charges made before the report was taken are in it now. Charges that never turned
+        # into requests (cancelled while routing) go the same way, one report later.
+        charges = self._charges
+        while charges and next(iter(charges.values()))[0] < report.time:
+            self.num_tokens_sent -= charges.popitem(last=False)[1][1]
+        self._load = None
+
+    def _build_load(self, report: LoadReport, now: float) -> GroupLoad:
+        return GroupLoad(
+            group_id=self.group_id,
+            num_blocks_used=report.num_blocks_used,
+            num_blocks_total=report.num_blocks_total,
+            block_size=report.block_size,
+            num_waiting_tokens=report.num_waiting_tokens,
+            cached_block_hashes=report.cached_block_hashes,
+            report_seq=report.seq,
+            report_age_s=max(0.0, now - report.time),
+            num_tokens_sent_since_report=self.num_tokens_sent,
+        )
+
+
+@dataclass
+class _PendingDecision:
+    """What choose_replicas decided for a request, kept until a replica accepts it."""
+
+    num_tokens: int
+    placements: Optional[List[Placement]]  # None: fallback (reason below)
+    fallback_reason: str = NO_REPORT
+    charged: Optional[ReplicaID] = None  # the replica charged for it on the decision
+
+
+class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Places each generation request on the TP group with room for it (see the module doc).
+
+    Not FIFOMixin on purpose: with it Serve hands a replica chosen for one request to the oldest
+    waiting one, which would undo a per-request placement.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._settings = _RouterSettings()
+        # By ReplicaID.unique_id: a str hashes in C, a ReplicaID in Python (this is per replica
+        # per decision).
+        self._trackers: Dict[str, ReplicaLoadTracker] = {}
+        self._pending: "collections.OrderedDict[str, _PendingDecision]" = (
+            collections.OrderedDict()
+        )
+        # Read from other threads (metrics), written on the router's event loop.
+        self._stats_lock = threading.Lock()
+        self._decision_counts: collections.Counter = collections.Counter()
+        self._decision_times_us: Deque[float] = collections.deque(maxlen=4096)
+        self._warned_bad_demand = False
+        _register(self)
+        register_router_decisions(self._decision_counts)  # /metrics of the caller's process
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        """Takes ``request_router_kwargs``: see `kv_aware_router_config`."""
+        self._settings = _RouterSettings(**kwargs)
+        self._decision_times_us = collections.deque(maxlen=self._settings.num_decision_times)
+
+    @property
+    def deployment_name(self) -> str:
+        return self._deployment_id.name
+
+    def decision_counts(self) -> Dict[str, int]:
+        """Routed requests by reason (a `PlacementReason` value or a ``FALLBACK_*`` label)."""
+        with self._stats_lock:
+            return dict(self._decision_counts)
+
+    def group_loads(self) -> Dict[str, GroupLoad]:
+        """Each reporting replica's load now (its report plus its charges), by group id."""
+        now = time.time()
+        loads = (tracker.current_load(now) for tracker in list(self._trackers.values()))
+        return {load.group_id: load for load in loads if load is not None}
+
+    def decision_times_us(self) -> List[float]:
+        """The latest placement decision times in microseconds (KV-aware decisions only)."""
+        with self._stats_lock:
+            return list(self._decision_times_us)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
+        if pending_request is None:
+            return await self._power_of_two(candidate_replicas, pending_request)
+        start_ns = time.perf_counter_ns()
+        request_id = pending_request.metadata.internal_request_id
+        self._drop_pending(request_id)  # a retry: its earlier choice refused it
+        num_tokens = pending_request.kwargs.get("num_tokens")
+        if num_tokens is None:
+            self._remember(request_id, _PendingDecision(0, None, FALLBACK_NO_NUM_TOKENS))
+            return await self._power_of_two(candidate_replicas, pending_request)
+        ranks, decision = self._rank(candidate_replicas, pending_request.kwargs, num_tokens)
+        if ranks is None:
+            self._remember(request_id, decision)
+            return await self._power_of_two(candidate_replicas, pending_request)
+        # Charge the first choice now, not when it accepts: the routing tasks of a burst run
+        # before any acceptance comes back, and must see each other's requests.
+        decision.charged = ranks[0][0].replica_id
+        self._tracker(decision.charged).charge(request_id, decision.num_tokens, time.time())
+        self._remember(request_id, decision)
+        elapsed_us = (time.perf_counter_ns() - start_ns) / 1000
+        with self._stats_lock:
+            self._decision_times_us.append(elapsed_us)
+        return ranks
+
+    def _rank(
+        self,
+        candidate_replicas: List[RunningReplica],
+        request_kwargs: Mapping[str, Any],
+        num_tokens: Any,
+    ) -> Tuple[Optional[List[List[RunningReplica]]], _PendingDecision]:
+        """Ranked replicas and the decision to remember; (None, fallback) to fall back."""
+        now = time.time()
+        loads: List[GroupLoad] = []
+        by_group: Dict[str, RunningReplica] = {}
+        unreported: List[RunningReplica] = []
+        trackers = self._trackers
+        for replica in candidate_replicas:
+            replica_id = replica.replica_id
+            tracker = trackers.get(replica_id.unique_id) or self._tracker(replica_id)
+            load = tracker.observe(replica.routing_stats, now)
+            if load is None:
+                unreported.append(replica)
+            else:
+                loads.append(load)
+                by_group[load.group_id] = replica
+        if not loads:
+            # Still charged where it lands: the first reports then start from the right count.
+            valid = isinstance(num_tokens, int) and num_tokens >= 0
+            return None, _PendingDecision(num_tokens if valid else 0, None, FALLBACK_NO_REPORTS)
+        try:
+            demand = self._demand(request_kwargs, num_tokens, loads[0].block_size)
+        except (ValueError, TypeError) as e:
+            if not self._warned_bad_demand:
+                self._warned_bad_demand = True
+                logger.warning("routing by power of two choices: bad request demand: %s", e)
+            return None, _PendingDecision(0, None, FALLBACK_BAD_DEMAND)
+        placements = rank_groups(
+            demand, loads, self._settings.target_occupancy, self._settings.max_report_age_s
+        )
+        ranks = [[by_group[placement.group_id]] for placement in placements]
+        if unreported:
+            ranks.append(unreported)
+        return ranks, _PendingDecision(demand.num_tokens, placements)
+
+    def _demand(
+        self, request_kwargs: Mapping[str, Any], num_tokens: Any, groups_block_size: int
+    ) -> RequestDemand:
+        block_hashes = tuple(request_kwargs.get("block_hashes") or ())
+        block_size = (
+            request_kwargs.get("block_size") or self._settings.block_size or groups_block_size
+        )
+        return RequestDemand(num_tokens, block_hashes, block_size)
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        """The replica accepted the request: count its reason, move its charge there."""
+        request_id = pending_request.metadata.internal_request_id
+        decision = self._pending.pop(request_id, None)
+        if decision is None:
+            return
+        if decision.placements is None:
+            reason = decision.fallback_reason
+        else:
+            group_id = replica_id.unique_id
+            reason = next(
+                (p.reason.value for p in decision.placements if p.group_id == group_id),
+                NO_REPORT,
+            )
+        self._release(decision, request_id)
+        if decision.num_tokens:
+            # Re-stamped at acceptance: a report taken from now on holds the request.
+            self._tracker(replica_id).charge(request_id, decision.num_tokens, time.time())
+        with self._stats_lock:
+            self._decision_counts[reason] += 1
+
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        now = time.time()
+        live = {replica_id.unique_id for replica_id in self._replicas}
+        for group_id in list(self._trackers):
+            if group_id not in live:
+                del self._trackers[group_id]
+        # New reports arrive with replica updates: parse them here, off the decision path.
+        for replica in replicas:
+            self._tracker(replica.replica_id).observe(replica.routing_stats, now)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._trackers.pop(replica_id.unique_id, None)
+
+    def _tracker(self, replica_id: ReplicaID) -> ReplicaLoadTracker:
+        group_id = replica_id.unique_id
+        tracker = self._trackers.get(group_id)
+        if tracker is None:
+            tracker = self._trackers[group_id] = ReplicaLoadTracker(group_id)
+        return tracker
+
+    def _drop_pending(self, request_id: str) -> None:
+        earlier = self._pending.pop(request_id, None)
+        if earlier is not None:
+            self._release(earlier, request_id)
+
+    def _release(self, decision: _PendingDecision, request_id: str) -> None:
+        if decision.charged is not None:
+            tracker = self._trackers.get(decision.charged.unique_id)
+            if tracker is not None:  # else the replica is gone, and its charges with it
+                tracker.release(request_id)
+
+    def _remember(self, request_id: str, decision: _PendingDecision) -> None:
+        self._pending[request_id] = decision
+        while len(self._pending) > MAX_PENDING_REQUESTS:
+            self._pending.popitem(last=False)  # its charge goes with the replica's next report
+
+    async def _power_of_two(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest],
+    ) -> List[List[RunningReplica]]:
+        # Serve's own default, as its CapacityQueueRouter and PrefixCacheAffinityRouter reuse it.
+        return await PowerOfTwoChoicesRequestRouter.choose_replicas(
+            self, candidate_replicas=candidate_replicas, pending_request=pending_request
+        )

@@ -1,0 +1,446 @@
+"""Serving metrics: the groups' store, the ingress's request histograms, Prometheus text.
+
+Each TP group pushes a snapshot of its numbers about once a second to one named actor
+(``MetricsStoreActor``, a one-line Ray wrapper of the plain ``MetricsStore``); the ingress
+measures what only it sees (time to first token, inter-token and end-to-end latency, token
+counts) in its own ``IngressMetrics``. ``/metrics`` renders both, plus the router's decision
+counts, in the Prometheus text format, under vLLM's metric names with the prefix ``tpserve:``
+(``vllm:kv_cache_usage_perc`` -> ``tpserve:kv_cache_usage_perc``).
+
+The same numbers go to Ray's own metrics export through ``ray.util.metrics``. Ray 2.60 warns
+about ``:`` in names, so there they are ``tpserve_*``, and Ray's exporter prefixes ``ray_``:
+``ray_tpserve_time_to_first_token_seconds``. The ``/metrics`` latency histograms are those of
+the ingress replica that answered; with several ingress replicas, Ray's export (one series per
+process) is the cluster-wide view.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import ray
+from ray.util import metrics as ray_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "tpserve:"
+METRICS_STORE_NAME = "tpserve-metrics"
+METRICS_NAMESPACE = "tpserve"
+
+# vLLM's buckets for the request latencies (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Collectives: from 10 us (a small all-reduce on one host) to a second (a stalled peer).
+COLLECTIVE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+                      5e-2, 0.1, 0.25, 0.5, 1.0)
+
+# Snapshot keys with a vLLM counterpart: key -> (name without prefix, kind). Other numeric keys
+# (the KV tiers' among them) are exported by their own name: a counter when they end in
+# ``_total``, else a gauge; list-valued keys are samples for a histogram.
+GROUP_METRICS: Dict[str, Tuple[str, str]] = {
+    "kv_usage_frac": ("kv_cache_usage_perc", "gauge"),
+    "num_requests_running": ("num_requests_running", "gauge"),
+    "num_requests_waiting": ("num_requests_waiting", "gauge"),
+    "tokens_in_flight": ("tokens_in_flight", "gauge"),
+    "kv_blocks_used": ("num_kv_blocks_used", "gauge"),
+    "kv_blocks_total": ("num_kv_blocks", "gauge"),  # capacity, not a counter
+    "prefix_cache_queries_total": ("prefix_cache_queries", "counter"),
+    "prefix_cache_hits_total": ("prefix_cache_hits", "counter"),
+    "num_preemptions_total": ("num_preemptions", "counter"),
+}
+
+
+def group_metric_kind(key: str) -> Tuple[str, str]:
+    """``(full metric name, gauge|counter)`` of a numeric snapshot key."""
+    if key in GROUP_METRICS:
+        name, kind = GROUP_METRICS[key]
+        return PREFIX + name, kind
+    if key.endswith("_total"):
+        return PREFIX + key[:-len("_total")], "counter"
+    return PREFIX + key, "gauge"
+
+
+def _is_metric_key(key: Any) -> bool:
+    return isinstance(key, str) and key.isidentifier() and key.isascii()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+# ----- histograms held as plain data (for the store, which must be picklable) -----
+
+
+@dataclass
+class HistogramState:
+    """Bucket counts of a histogram. ``counts[i]``: samples in ``(bounds[i-1], bounds[i]]``;
+    the last entry counts those above every bound."""
+
+    bounds: Tuple[float, ...]
+    counts: List[int] = field(default_factory=list)
+    sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative_buckets(self) -> List[Tuple[str, int]]:
+        """``(le, cumulative count)`` pairs ending with ``+Inf``, as Prometheus wants them."""
+        out, running = [], 0
+        for bound, n in zip(self.bounds + (math.inf,), self.counts):
+            running += n
+            out.append(("+Inf" if bound == math.inf else repr(float(bound)), running))
+        return out
+
+
+# ----- the groups' store -----
+
+
+@dataclass
+class GroupRecord:
+    pushed_at: float
+    values: Dict[str, float]
+    histograms: Dict[str, HistogramState]
+
+
+class MetricsStore:
+    """The latest snapshot of each TP group, and its histogram samples accumulated.
+
+    A group that has not pushed for ``stale_after_s`` (its replica died or was replaced) is
+    dropped, so a dead group's gauges do not linger. ``export_to_ray`` also mirrors every push
+    to Ray's metrics export (set in the actor; off in plain tests)."""
+
+    def __init__(self, stale_after_s: float = 30.0, export_to_ray: bool = False) -> None:
+        self.stale_after_s = stale_after_s
+        self._groups: Dict[str, GroupRecord] = {}
+        self._mirror = RayMetricsMirror() if export_to_ray else None
+
+    def push(self, group_id: str, snapshot: Mapping[str, Any]) -> None:
+        record = self._groups.get(group_id)
+        if record is None:
+            record = self._groups[group_id] = GroupRecord(time.monotonic(), {}, {})
+        previous = dict(record.values)
+        record.pushed_at = time.monotonic()
+        for key, value in snapshot.items():
+            if not _is_metric_key(key):
+                logger.warning("group %s pushed an invalid metric name %r", group_id, key)
+            elif isinstance(value, (list, tuple)):
+                self._observe(group_id, record, key, value)
+            elif _is_number(value):
+                record.values[key] = float(value)
+        if self._mirror is not None:
+            self._mirror.group_values(group_id, previous, record.values)
+
+    def _observe(self, group_id: str, record: GroupRecord, key: str,
+                 samples: Sequence[Any]) -> None:
+        hist = record.histograms.get(key)
+        if hist is None:
+            hist = record.histograms[key] = HistogramState(COLLECTIVE_BUCKETS)
+        for sample in samples:
+            if _is_number(sample):
+                hist.observe(float(sample))
+                if self._mirror is not None:
+                    self._mirror.histogram(PREFIX + key, float(sample), {"group": group_id},
+                                           hist.bounds)
+
+    def snapshot(self) -> Dict[str, GroupRecord]:
+        """Every live group's record (copied by Ray when called through the actor)."""
+        now = time.monotonic()
+        for group_id in [g for g, r in self._groups.items()
+                         if now - r.pushed_at > self.stale_after_s]:
+            del self._groups[group_id]
+        return dict(self._groups)
+
+    def group_ids(self) -> List[str]:
+        return sorted(self.snapshot())
+
+
+def group_metric_families(groups: Mapping[str, GroupRecord], model_name: str) -> List[Metric]:
+    """The groups' records as Prometheus families, labelled ``group`` and ``model_name``."""
+    labels = ["model_name", "group"]
+    families: Dict[str, Metric] = {}
+    for group_id in sorted(groups):
+        record = groups[group_id]
+        for key, value in sorted(record.values.items()):
+            name, kind = group_metric_kind(key)
+            family = families.get(name)
+            if family is None:
+                cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                family = families[name] = cls(name, f"TP group {key}", labels=labels)
+            family.add_metric([model_name, group_id], value)
+        for key, hist in sorted(record.histograms.items()):
+            name = PREFIX + key
+            family = families.get(name)
+            if family is None:
+                family = families[name] = HistogramMetricFamily(
+                    name, f"TP group {key}", labels=labels)
+            family.add_metric([model_name, group_id], hist.cumulative_buckets(), hist.sum)
+    return list(families.values())
+
+
+class _Families:
+    """A collector that yields families built elsewhere (for a one-off registry)."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+# ----- the router's decision counts (the router runs in the ingress process) -----
+
+_router_sources: List[Any] = []
+
+
+def register_router_decisions(counts: Mapping[str, int]) -> None:
+    """Called by a router (``cluster.kv_router``) with the mapping it counts reasons in; the
+    ingress in the same process exports the sum over routers. Held weakly when possible."""
+    try:
+        _router_sources.append(weakref.ref(counts))
+    except TypeError:
+        _router_sources.append(lambda: counts)
+
+
+def router_decision_counts() -> Dict[str, int]:
+    totals: Dict[str, int] = {}
+    live = []
+    for ref in _router_sources:
+        counts = ref()
+        if counts is None:
+            continue
+        live.append(ref)
+        for reason, n in _copy(counts).items():
+            totals[str(reason)] = totals.get(str(reason), 0) + int(n)
+    _router_sources[:] = live
+    return totals
+
+
+def _copy(counts: Mapping[str, int]) -> Dict[str, int]:
+    """A copy of a mapping that a router on another thread may be adding a reason to."""
+    for _ in range(3):
+        try:
+            return dict(counts)
+        except RuntimeError:  # changed size during iteration
+            continue
+    return {}
+
+
+# ----- the ingress's request metrics -----
+
+
+@dataclass
+class RequestTimer:
+    """Times one request as its stream arrives: first token, gaps between tokens, end."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    inter_token_s: List[float] = field(default_factory=list)
+
+    def on_tokens(self, num_new_tokens: int, now: Optional[float] = None) -> None:
+        if num_new_tokens <= 0:
+            return
+        now = time.perf_counter() if now is None else now
+        if self.first_token is None:
+            self.first_token = now
+        else:
+            self.inter_token_s.append(now - self.last_token)
+        self.last_token = now
+
+    @property
+    def ttft_s(self) -> Optional[float]:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+
+@dataclass(frozen=True)
+class _HistogramSpec:
+    metric: Histogram
+    name: str
+    buckets: Tuple[float, ...]
+
+
+class IngressMetrics:
+    """The ingress's own registry (never the process-global one) and its ``/metrics`` text."""
+
+    def __init__(self, model_name: str, max_model_len: int, export_to_ray: bool = False) -> None:
+        # The ``*_created`` series only add noise to a scrape (vLLM turns them off too); this is
+        # process-wide, and the replica's process exports nothing else through the client.
+        disable_created_metrics()
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        token_buckets = _one_two_five_buckets(max_model_len)
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token",
+                                    TTFT_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between tokens",
+                                   ITL_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "End-to-end request latency",
+                                   E2E_BUCKETS)
+        self.prompt_tokens_hist = self._histogram("request_prompt_tokens",
+                                                  "Prompt tokens per request", token_buckets)
+        self.generation_tokens_hist = self._histogram(
+            "request_generation_tokens", "Generated tokens per request", token_buckets)
+        lbl, reg = ["model_name"], self.registry
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens", lbl, registry=reg)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", lbl,
+                                         registry=reg)
+        self.success = Counter(PREFIX + "request_success", "Finished requests by reason",
+                               lbl + ["finished_reason"], registry=reg)
+        self._mirror = RayMetricsMirror() if export_to_ray else None
+
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> _HistogramSpec:
+        metric = Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry,
+                           buckets=buckets)
+        return _HistogramSpec(metric, PREFIX + name, tuple(buckets))
+
+    def record(self, timer: RequestTimer, num_prompt_tokens: int, num_generation_tokens: int,
+               finished_reason: str, now: Optional[float] = None) -> None:
+        """One request ended (``finished_reason``: stop, length, abort or error)."""
+        now = time.perf_counter() if now is None else now
+        name = self.model_name
+        observations = [(self.e2e, now - timer.arrival),
+                        (self.prompt_tokens_hist, num_prompt_tokens),
+                        (self.generation_tokens_hist, num_generation_tokens)]
+        if timer.ttft_s is not None:
+            observations.append((self.ttft, timer.ttft_s))
+        observations.extend((self.itl, gap) for gap in timer.inter_token_s)
+        for spec, value in observations:
+            spec.metric.labels(name).observe(value)
+        self.prompt_tokens.labels(name).inc(num_prompt_tokens)
+        self.generation_tokens.labels(name).inc(num_generation_tokens)
+        self.success.labels(name, finished_reason).inc()
+        if self._mirror is not None:
+            self._mirror.request(name, observations, finished_reason, num_prompt_tokens,
+                                 num_generation_tokens)
+
+    def render(self, groups: Mapping[str, GroupRecord],
+               router_counts: Mapping[str, int]) -> bytes:
+        """The Prometheus text of the ingress, every group and the routers."""
+        families = group_metric_families(groups, self.model_name)
+        decisions = CounterMetricFamily(PREFIX + "router_decisions",
+                                        "Placement decisions by reason", labels=["reason"])
+        for reason, n in sorted(router_counts.items()):
+            decisions.add_metric([reason], n)
+        families.append(decisions)
+        scrape = CollectorRegistry(auto_describe=False)
+        scrape.register(_Families(families))
+        return generate_latest(self.registry) + generate_latest(scrape)
+
+
+def _one_two_five_buckets(limit: int) -> Tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(float(b) for b in out)
+            out.append(m * scale)
+        scale *= 10
+
+
+# ----- Ray's metrics export -----
+
+
+class RayMetricsMirror:
+    """Mirrors metrics into ``ray.util.metrics`` (names with ``_`` for ``:``); lazily creates
+    one Ray metric per name, its tag keys those of the first record."""
+
+    def __init__(self) -> None:
+        self._metrics: Dict[str, Any] = {}
+
+    def _metric(self, kind: str, name: str, tag_keys: Tuple[str, ...],
+                boundaries: Sequence[float] = ()) -> Any:
+        ray_name = name.replace(":", "_")
+        metric = self._metrics.get(ray_name)
+        if metric is None:
+            if kind == "histogram":
+                metric = ray_metrics.Histogram(ray_name, name, list(boundaries), tag_keys)
+            elif kind == "counter":
+                metric = ray_metrics.Counter(ray_name, name, tag_keys)
+            else:
+                metric = ray_metrics.Gauge(ray_name, name, tag_keys)
+            self._metrics[ray_name] = metric
+        return metric
+
+    def histogram(self, name: str, value: float, tags: Dict[str, str],
+                  boundaries: Sequence[float]) -> None:
+        self._metric("histogram", name, tuple(sorted(tags)), boundaries).observe(value, tags)
+
+    def counter(self, name: str, delta: float, tags: Dict[str, str]) -> None:
+        if delta > 0:  # Ray's Counter refuses zero and negative increments
+            self._metric("counter", name, tuple(sorted(tags))).inc(delta, tags)
+
+    def gauge(self, name: str, value: float, tags: Dict[str, str]) -> None:
+        self._metric("gauge", name, tuple(sorted(tags))).set(value, tags)
+
+    def group_values(self, group_id: str, previous: Mapping[str, float],
+                     current: Mapping[str, float]) -> None:
+        tags = {"group": group_id}
+        for key, value in current.items():
+            name, kind = group_metric_kind(key)
+            if kind == "counter":
+                self.counter(name, value - previous.get(key, 0.0), tags)
+            else:
+                self.gauge(name, value, tags)
+
+    def request(self, model_name: str, observations: Sequence[Tuple[_HistogramSpec, float]],
+                finished_reason: str, num_prompt_tokens: int,
+                num_generation_tokens: int) -> None:
+        tags = {"model_name": model_name}
+        for spec, value in observations:
+            self.histogram(spec.name, value, tags, spec.buckets)
+        self.counter(PREFIX + "prompt_tokens", num_prompt_tokens, tags)
+        self.counter(PREFIX + "generation_tokens", num_generation_tokens, tags)
+        self.counter(PREFIX + "request_success", 1, {**tags, "finished_reason": finished_reason})
+
+
+# ----- the store as a named Ray actor -----
+
+MetricsStoreActor = ray.remote(MetricsStore)
+
+
+def get_metrics_store(namespace: str = METRICS_NAMESPACE, stale_after_s: float = 30.0):
+    """The cluster's ``MetricsStoreActor``, created on first use (by a group or the ingress).
+
+    Detached: it must outlive whichever replica happened to create it, since replicas come and
+    go; ``kill_metrics_store`` removes it when the application is torn down."""
+    options = dict(name=METRICS_STORE_NAME, namespace=namespace, get_if_exists=True,
+                   lifetime="detached", num_cpus=0)
+    return MetricsStoreActor.options(**options).remote(stale_after_s=stale_after_s,
+                                                       export_to_ray=True)
+
+
+def kill_metrics_store(namespace: str = METRICS_NAMESPACE) -> None:
+    try:
+        ray.kill(ray.get_actor(METRICS_STORE_NAME, namespace=namespace))
+    except ValueError:
+        pass  # never created

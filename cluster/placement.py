@@ -1,0 +1,234 @@
+"""Where a request goes: the pure placement policy behind the KV-aware router.
+
+    rank_groups(demand, loads, target_occupancy=0.70) -> [Placement, ...]   best group first
+
+Data in, decision out: no Ray, no clock, no I/O, so the policy is tested on plain inputs and the
+router (`cluster/kv_router.py`) only turns Serve's routing stats into `GroupLoad`s and the ranking
+back into replicas.
+
+The policy, in rank order:
+
+1. Fresh groups whose projected occupancy with the request stays at or under the target, by the
+   longest cached prefix of the request (leading request block hashes the group has cached), then
+   the lowest projected occupancy, then group id.
+2. Fresh groups over the target, by the lowest projected occupancy, then group id: when no group
+   has room, the least-loaded one takes the request (the engine queues or preempts there).
+3. Groups whose report is stale (older than ``max_report_age_s``), by the same key as 2. A report
+   that stopped arriving means the replica or its stats path is stuck, so its numbers are never
+   trusted to show room; such a group stays a last resort rather than vanishing (Serve's own
+   queue-length check still guards it).
+
+Cost: O(G log G) for G groups, plus one set lookup per leading cached block, for fresh
+under-target groups only (a group that lacks the request's first block costs one lookup).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from itertools import filterfalse
+from operator import itemgetter
+from typing import FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
+
+from kv.prefix_hash import BlockHash
+
+DEFAULT_TARGET_OCCUPANCY = 0.70
+DEFAULT_MAX_REPORT_AGE_S = 5.0
+
+
+def _num_blocks(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class GroupLoad:
+    """One TP group's KV load: its replica's last report plus what the router sent it since.
+
+    Fields from the report: ``num_blocks_used`` / ``num_blocks_total`` / ``block_size`` of its KV
+    pool, ``num_waiting_tokens`` (tokens of accepted requests not yet holding blocks),
+    ``cached_block_hashes`` (chained hashes of its cached full blocks, `kv.prefix_hash`),
+    ``report_seq`` and ``report_age_s`` (how old the report was when the router read it). Added by
+    the router: ``num_tokens_sent_since_report`` (tokens of requests it routed to the group after
+    the report was taken).
+    """
+
+    group_id: str
+    num_blocks_used: int
+    num_blocks_total: int
+    block_size: int
+    num_waiting_tokens: int
+    cached_block_hashes: FrozenSet[BlockHash]
+    report_seq: int
+    report_age_s: float
+    num_tokens_sent_since_report: int = 0
+    _num_blocks_committed: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        if not self.group_id:
+            raise ValueError("GroupLoad.group_id must be a non-empty string")
+        if self.num_blocks_total <= 0:
+            raise ValueError(
+                f"group {self.group_id}: num_blocks_total must be positive, "
+                f"got {self.num_blocks_total}"
+            )
+        if not 0 <= self.num_blocks_used <= self.num_blocks_total:
+            raise ValueError(
+                f"group {self.group_id}: num_blocks_used must be in [0, num_blocks_total="
+                f"{self.num_blocks_total}], got {self.num_blocks_used}"
+            )
+        if self.block_size <= 0:
+            raise ValueError(
+                f"group {self.group_id}: block_size must be positive, got {self.block_size}"
+            )
+        if self.num_waiting_tokens < 0 or self.num_tokens_sent_since_report < 0:
+            raise ValueError(
+                f"group {self.group_id}: token counts must not be negative, got waiting="
+                f"{self.num_waiting_tokens}, sent={self.num_tokens_sent_since_report}"
+            )
+        if not self.report_age_s >= 0:  # also refuses NaN
+            raise ValueError(
+                f"group {self.group_id}: report_age_s must not be negative, "
+                f"got {self.report_age_s}"
+            )
+        # Everything but the new request, in blocks: computed once, read per decision.
+        committed = (
+            self.num_blocks_used
+            + _num_blocks(self.num_waiting_tokens, self.block_size)
+            + _num_blocks(self.num_tokens_sent_since_report, self.block_size)
+        )
+        object.__setattr__(self, "_num_blocks_committed", committed)
+
+    def projected_occupancy(self, num_tokens: int) -> float:
+        """Fraction of the pool in use once a request of ``num_tokens`` tokens is added.
+
+            (used + ceil(waiting / bs) + ceil(sent / bs) + ceil(num_tokens / bs)) / total
+
+        with bs the block size; each term is rounded up to whole blocks on its own, so the
+        estimate errs on the full side. May exceed 1.0 (the group is oversubscribed).
+        """
+        return (self._num_blocks_committed + _num_blocks(num_tokens, self.block_size)) / (
+            self.num_blocks_total
+        )
+
+    def num_cached_prefix_blocks(self, demand: "RequestDemand") -> int:
+        """Count of leading ``demand.block_hashes`` this group has cached (up to the first miss).
+
+        0 when the block sizes differ (the hashes would cover other token spans). One set lookup
+        per cached leading block plus one for the miss, done in C.
+        """
+        block_hashes = demand.block_hashes
+        cached = self.cached_block_hashes
+        if not block_hashes or self.block_size != demand.block_size:
+            return 0
+        if block_hashes[0] not in cached:
+            return 0
+        first_miss = next(filterfalse(cached.__contains__, block_hashes), None)
+        # index() finds the first occurrence of the missed hash, which is where the scan stopped
+        # (an earlier occurrence would have missed first).
+        return len(block_hashes) if first_miss is None else block_hashes.index(first_miss)
+
+
+@dataclass(frozen=True)
+class RequestDemand:
+    """What a request needs: ``num_tokens`` (prompt plus expected output) and the chained hashes
+    of its full prompt blocks (`kv.prefix_hash.extend_block_hashes`) at ``block_size`` tokens a
+    block. Prefix affinity only counts for groups whose block size equals ``block_size``; without
+    hashes the request has no affinity."""
+
+    num_tokens: int
+    block_hashes: Tuple[BlockHash, ...] = ()
+    block_size: Optional[int] = None  # required with block_hashes
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_tokens, int) or self.num_tokens < 0:
+            raise ValueError(
+                f"RequestDemand.num_tokens must be a non-negative integer, got {self.num_tokens!r}"
+            )
+        if self.block_hashes and self.block_size is None:
+            raise ValueError("RequestDemand.block_size is required when block_hashes are given")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError(f"RequestDemand.block_size must be positive, got {self.block_size}")
+
+
+class PlacementReason(str, enum.Enum):
+    """Why a group holds its rank; the values are metric labels."""
+
+    UNDER_TARGET_PREFIX = "under_target_prefix"  # fits under target and has part of the prefix
+    UNDER_TARGET = "under_target"  # fits under target, nothing of the prefix cached
+    LEAST_LOADED = "least_loaded"  # over target: ranked by load alone
+    STALE_REPORT = "stale_report"  # its report is too old to trust
+
+
+class Placement(NamedTuple):
+    """One ranked group. A tuple, not a dataclass: 64 of them per decision must stay cheap.
+
+    ``cached_prefix_blocks`` is counted for fresh under-target groups only (elsewhere the policy
+    ignores the prefix, and None says it was not counted).
+    """
+
+    group_id: str
+    reason: PlacementReason
+    projected_occupancy: float
+    cached_prefix_blocks: Optional[int]
+
+
+def rank_groups(
+    demand: RequestDemand,
+    loads: Sequence[GroupLoad],
+    target_occupancy: float = DEFAULT_TARGET_OCCUPANCY,
+    max_report_age_s: float = DEFAULT_MAX_REPORT_AGE_S,
+) -> List[Placement]:
+    """Every group in ``loads``, best first, by the policy in this module's docstring.
+
+    A group is under target when its projected occupancy is <= ``target_occupancy`` (exactly at
+    the target counts as under). Returns [] for no groups: the caller falls back.
+    """
+    if not 0.0 < target_occupancy <= 1.0:
+        raise ValueError(f"target_occupancy must be in (0, 1], got {target_occupancy}")
+    if max_report_age_s <= 0:
+        raise ValueError(f"max_report_age_s must be positive, got {max_report_age_s}")
+    num_tokens = demand.num_tokens
+    first_hash = demand.block_hashes[0] if demand.block_hashes else None
+    # (tier, -cached prefix blocks, projected occupancy, group id); tier 0: fresh and under
+    # target, 1: fresh and over, 2: stale.
+    entries: List[Tuple[int, int, float, str]] = []
+    for load in loads:
+        # GroupLoad.projected_occupancy, inlined: this loop is the router's per-request cost.
+        occupancy = (
+            load._num_blocks_committed + -(-num_tokens // load.block_size)
+        ) / load.num_blocks_total
+        if load.report_age_s > max_report_age_s:
+            entries.append((2, 0, occupancy, load.group_id))
+        elif occupancy <= target_occupancy:
+            # Most groups lack the first block: one lookup, no call.
+            has_prefix = first_hash is not None and first_hash in load.cached_block_hashes
+            prefix = load.num_cached_prefix_blocks(demand) if has_prefix else 0
+            entries.append((0, -prefix, occupancy, load.group_id))
+        else:
+            entries.append((1, 0, occupancy, load.group_id))
+    if len({entry[3] for entry in entries}) != len(entries):
+        raise ValueError("rank_groups: loads must have distinct group ids")
+    # Stable sorts from the last key to the first: each sorts on one plain str, float or int,
+    # which CPython compares several times faster than whole tuples.
+    for key in _SORT_KEYS:
+        entries.sort(key=key)
+    # Placement's own constructor is a Python-level call; tuple.__new__ (what namedtuple's
+    # _make uses) builds the same object for a third of the cost, and this runs per group.
+    new = tuple.__new__
+    return [
+        new(
+            Placement,
+            (group_id, _REASONS[tier][neg_prefix < 0], occupancy, None if tier else -neg_prefix),
+        )
+        for tier, neg_prefix, occupancy, group_id in entries
+    ]
+
+
+_SORT_KEYS = (itemgetter(3), itemgetter(2), itemgetter(1), itemgetter(0))
+# _REASONS[tier][has cached prefix]
+_REASONS = (
+    (PlacementReason.UNDER_TARGET, PlacementReason.UNDER_TARGET_PREFIX),
+    (PlacementReason.LEAST_LOADED, PlacementReason.LEAST_LOADED),
+    (PlacementReason.STALE_REPORT, PlacementReason.STALE_REPORT),
+)

@@ -1,0 +1,87 @@
+"""Ranks 1..N-1 of a TP group as Ray actors in the group replica's placement group.
+
+A thin Ray wrapper around ``workers.rank``: the actor builds its rank (joining the process group
+that rank 0 opens) and serves plans on one thread, while ``wait_ready`` answers on another. Ray
+is the control plane only; every step's plan arrives over torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import List, Optional
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from workers.rank import RankConfig, build_rank, serve_plans
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote(max_concurrency=2)
+class RankActor:
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._error: Optional[BaseException] = None
+
+    def run(self, config: RankConfig) -> None:
+        """Build the rank, then serve plans until rank 0 broadcasts shutdown (blocks)."""
+        try:
+            rank = build_rank(config)
+        except BaseException as exc:  # reported through wait_ready
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            serve_plans(rank)
+        finally:
+            rank.tp.destroy()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"rank not ready after {timeout_s:.0f} s")
+        if self._error is not None:
+            raise self._error
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+class RayRankActors:
+    """``workers.multiproc.RankLauncher`` for Ray: rank k goes to bundle k of ``placement_group``."""
+
+    def __init__(self, configs: List[RankConfig], placement_group: PlacementGroup,
+                 cpus_per_rank: float, gpus_per_rank: float) -> None:
+        self.actors = []
+        self._runs = []
+        for config in configs:
+            rank = config.group.rank
+            if gpus_per_rank:  # Ray narrows CUDA_VISIBLE_DEVICES to the bundle's GPU
+                config = dataclasses.replace(config, device="cuda:0")
+            actor = RankActor.options(
+                num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=rank),
+                name=None,
+            ).remote()
+            self.actors.append(actor)
+            self._runs.append(actor.run.remote(config))
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        refs = [actor.wait_ready.remote(timeout_s) for actor in self.actors]
+        try:
+            ray.get(refs, timeout=timeout_s + 10)
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.as_instanceof_cause() from None
+
+    def join(self, timeout_s: float = 30.0) -> None:
+        try:
+            ray.get(self._runs, timeout=timeout_s)
+        except Exception as exc:  # a rank that died or hung: kill it, the group is going away
+            logger.warning("rank actors did not stop cleanly: %s", exc)
+        for actor in self.actors:
+            ray.kill(actor)

@@ -1,0 +1,166 @@
+"""The metrics store and the `/metrics` text, parsed back with prometheus-client's parser."""
+
+import collections
+import math
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster import metrics as m
+
+SNAPSHOT = {
+    "kv_usage_frac": 0.25, "kv_blocks_used": 32, "kv_blocks_total": 128,
+    "tokens_in_flight": 100, "num_requests_running": 3, "num_requests_waiting": 1,
+    "prefix_cache_queries_total": 40, "prefix_cache_hits_total": 12,
+    "num_preemptions_total": 2, "allreduce_latency_seconds": [0.0004, 0.002, 3.0],
+    "kv_tier_host_blocks_used": 7, "kv_tier_spills_total": 5,
+}
+
+
+def parse(text: bytes):
+    """{family name: family}, and {(sample name, frozen labels): value}."""
+    families = {f.name: f for f in text_string_to_metric_families(text.decode())}
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for f in families.values() for s in f.samples}
+    return families, samples
+
+
+def labels(**kw):
+    return frozenset(kw.items())
+
+
+def test_histogram_state_buckets():
+    hist = m.HistogramState((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 2.0):
+        hist.observe(v)
+    assert hist.counts == [2, 1, 1]  # (.., 0.1], (0.1, 1], above
+    assert hist.cumulative_buckets() == [("0.1", 2), ("1.0", 3), ("+Inf", 4)]
+    assert hist.count == 4 and math.isclose(hist.sum, 2.65)
+
+
+def test_store_keeps_latest_values_and_accumulates_samples():
+    store = m.MetricsStore()
+    store.push("g0", SNAPSHOT)
+    store.push("g0", {**SNAPSHOT, "kv_usage_frac": 0.5, "allreduce_latency_seconds": [0.001]})
+    store.push("g1", {"kv_usage_frac": 0.9, "bad name": 1, "note": "text", "nan": math.nan})
+    groups = store.snapshot()
+    assert sorted(groups) == ["g0", "g1"]
+    assert groups["g0"].values["kv_usage_frac"] == 0.5
+    assert groups["g0"].histograms["allreduce_latency_seconds"].count == 4
+    assert groups["g1"].values == {"kv_usage_frac": 0.9}  # non-numbers and bad names dropped
+
+
+def test_store_drops_groups_that_stopped_pushing(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(m.time, "monotonic", lambda: now[0])
+    store = m.MetricsStore(stale_after_s=5.0)
+    store.push("old", SNAPSHOT)
+    now[0] = 103.0
+    store.push("new", SNAPSHOT)
+    now[0] = 106.0
+    assert store.group_ids() == ["new"]
+
+
+def test_metric_kinds_follow_names():
+    assert m.group_metric_kind("kv_usage_frac") == ("tpserve:kv_cache_usage_perc", "gauge")
+    assert m.group_metric_kind("kv_blocks_total") == ("tpserve:num_kv_blocks", "gauge")
+    assert m.group_metric_kind("kv_tier_spills_total") == ("tpserve:kv_tier_spills", "counter")
+    assert m.group_metric_kind("kv_tier_host_blocks_used") == (
+        "tpserve:kv_tier_host_blocks_used", "gauge")
+
+
+@pytest.fixture
+def rendered():
+    store = m.MetricsStore()
+    store.push("g0", SNAPSHOT)
+    store.push("g1", {**SNAPSHOT, "kv_usage_frac": 0.75, "allreduce_latency_seconds": []})
+    ingress = m.IngressMetrics("tiny", max_model_len=256)
+    timer = m.RequestTimer(arrival=10.0)
+    for t in (10.2, 10.25, 10.35):
+        timer.on_tokens(1, now=t)
+    ingress.record(timer, num_prompt_tokens=7, num_generation_tokens=3, finished_reason="length",
+                   now=10.4)
+    ingress.record(m.RequestTimer(arrival=10.0), 5, 0, "abort", now=10.1)
+    return parse(ingress.render(store.snapshot(), {"under_target": 4, "least_loaded": 1}))
+
+
+def test_group_metrics_rendered(rendered):
+    families, samples = rendered
+    g0 = dict(model_name="tiny", group="g0")
+    assert samples[("tpserve:kv_cache_usage_perc", labels(**g0))] == 0.25
+    assert samples[("tpserve:kv_cache_usage_perc", labels(model_name="tiny", group="g1"))] == 0.75
+    assert samples[("tpserve:num_requests_running", labels(**g0))] == 3
+    assert samples[("tpserve:num_requests_waiting", labels(**g0))] == 1
+    assert samples[("tpserve:tokens_in_flight", labels(**g0))] == 100
+    assert samples[("tpserve:num_kv_blocks", labels(**g0))] == 128
+    assert samples[("tpserve:num_kv_blocks_used", labels(**g0))] == 32
+    assert samples[("tpserve:prefix_cache_queries_total", labels(**g0))] == 40
+    assert samples[("tpserve:prefix_cache_hits_total", labels(**g0))] == 12
+    assert samples[("tpserve:num_preemptions_total", labels(**g0))] == 2
+    assert samples[("tpserve:kv_tier_host_blocks_used", labels(**g0))] == 7
+    assert samples[("tpserve:kv_tier_spills_total", labels(**g0))] == 5
+    for name in ("prefix_cache_hits", "num_preemptions", "kv_tier_spills"):
+        assert families["tpserve:" + name].type == "counter"
+    assert families["tpserve:kv_cache_usage_perc"].type == "gauge"
+
+
+def test_allreduce_histogram_rendered(rendered):
+    families, samples = rendered
+    g0 = dict(model_name="tiny", group="g0")
+    assert families["tpserve:allreduce_latency_seconds"].type == "histogram"
+    assert samples[("tpserve:allreduce_latency_seconds_count", labels(**g0))] == 3
+    assert samples[("tpserve:allreduce_latency_seconds_bucket", labels(**g0, le="0.0005"))] == 1
+    assert samples[("tpserve:allreduce_latency_seconds_bucket", labels(**g0, le="1.0"))] == 2
+    assert samples[("tpserve:allreduce_latency_seconds_bucket", labels(**g0, le="+Inf"))] == 3
+    assert samples[("tpserve:allreduce_latency_seconds_count",
+                    labels(model_name="tiny", group="g1"))] == 0
+
+
+def test_request_metrics_rendered(rendered):
+    families, samples = rendered
+    tiny = dict(model_name="tiny")
+    assert samples[("tpserve:time_to_first_token_seconds_count", labels(**tiny))] == 1
+    assert math.isclose(samples[("tpserve:time_to_first_token_seconds_sum", labels(**tiny))], 0.2)
+    assert samples[("tpserve:inter_token_latency_seconds_count", labels(**tiny))] == 2
+    assert math.isclose(samples[("tpserve:inter_token_latency_seconds_sum", labels(**tiny))],
+                        0.15)
+    assert samples[("tpserve:inter_token_latency_seconds_bucket", labels(**tiny, le="0.075"))] == 1
+    assert samples[("tpserve:e2e_request_latency_seconds_count", labels(**tiny))] == 2
+    assert samples[("tpserve:request_prompt_tokens_sum", labels(**tiny))] == 12
+    assert samples[("tpserve:request_generation_tokens_bucket", labels(**tiny, le="5.0"))] == 2
+    assert samples[("tpserve:prompt_tokens_total", labels(**tiny))] == 12
+    assert samples[("tpserve:generation_tokens_total", labels(**tiny))] == 3
+    assert samples[("tpserve:request_success_total",
+                    labels(**tiny, finished_reason="length"))] == 1
+    assert samples[("tpserve:request_success_total",
+                    labels(**tiny, finished_reason="abort"))] == 1
+    assert not any(name.endswith("_created") for name, _ in samples)
+
+
+def test_router_decisions_rendered(rendered):
+    families, samples = rendered
+    assert families["tpserve:router_decisions"].type == "counter"
+    assert samples[("tpserve:router_decisions_total", labels(reason="under_target"))] == 4
+    assert samples[("tpserve:router_decisions_total", labels(reason="least_loaded"))] == 1
+
+
+def test_router_decision_sources_sum_and_expire(monkeypatch):
+    monkeypatch.setattr(m, "_router_sources", [])
+    a = collections.Counter(under_target=2)
+    b = collections.Counter(under_target=1, least_loaded=3)
+    m.register_router_decisions(a)
+    m.register_router_decisions(b)
+    a["prefix_affinity"] += 1  # counted live, not copied at registration
+    assert m.router_decision_counts() == {"under_target": 3, "least_loaded": 3,
+                                          "prefix_affinity": 1}
+    del b
+    assert m.router_decision_counts() == {"under_target": 2, "prefix_affinity": 1}
+
+
+def test_token_buckets():
+    assert m._one_two_five_buckets(256) == (1, 2, 5, 10, 20, 50, 100, 200)
+
+
+def test_empty_render_parses():
+    families, _ = parse(m.IngressMetrics("x", 16).render({}, {}))
+    assert "tpserve:time_to_first_token_seconds" in families

@@ -1,0 +1,245 @@
+"""OpenAI protocol: request validation (400s that name the field), the token budget, and the
+exact response, chunk and error shapes the official client parses."""
+
+import json
+
+import pytest
+
+from cluster.openai_protocol import (
+    SSE_DONE,
+    ChatCompletionRequest,
+    ChatFormat,
+    CompletionFormat,
+    CompletionRequest,
+    ProtocolError,
+    TokenLogprob,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    models_list,
+    parse_request,
+    resolve_max_tokens,
+    sse_event,
+    token_logprobs,
+)
+
+
+def completion(**fields):
+    return parse_request(json.dumps({"model": "m", "prompt": "hi", **fields}).encode(),
+                         CompletionRequest)
+
+
+def chat(**fields):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return parse_request(json.dumps(body).encode(), ChatCompletionRequest)
+
+
+def refused(build, **fields) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        build(**fields)
+    assert info.value.status == 400
+    return info.value
+
+
+# ----- requests -----
+
+@pytest.mark.parametrize("prompt,expected", [
+    ("hello", "hello"),
+    ([5, 6, 7], [5, 6, 7]),
+    (["hello"], "hello"),
+    ([[5, 6]], [5, 6]),
+])
+def test_prompt_forms(prompt, expected):
+    assert completion(prompt=prompt).prompt == expected
+
+
+@pytest.mark.parametrize("prompt,words", [
+    ("", "prompt is empty"),
+    ([], "prompt is empty"),
+    ([[]], "prompt is empty"),
+    (["a", "b"], "one prompt per request"),
+    ([1, "a"], "expected one of str, list[int]"),
+    ([3, -1], "non-negative"),
+    (7, "expected one of"),
+])
+def test_bad_prompts(prompt, words):
+    err = refused(completion, prompt=prompt)
+    assert words in err.message and err.param == "prompt"
+
+
+@pytest.mark.parametrize("fields,param,words", [
+    ({"n": 2}, "n", "only n=1"),
+    ({"echo": True}, "echo", "echo is not supported"),
+    ({"best_of": 3}, "best_of", "best_of=1"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    ({"max_tokens": 1.5}, "max_tokens", "valid integer"),
+    ({"temperature": "hot"}, "temperature", "valid number"),
+    ({"stop": 5}, "stop", "expected one of"),
+    ({"seed": 2**64}, "seed", "less than"),
+])
+def test_unsupported_or_mistyped_fields(fields, param, words):
+    err = refused(completion, **fields)
+    assert err.param == param and words in err.message, err.message
+
+
+def test_missing_model_and_invalid_json():
+    with pytest.raises(ProtocolError, match="model: Field required"):
+        parse_request(b'{"prompt": "x"}', CompletionRequest)
+    with pytest.raises(ProtocolError, match="not valid JSON") as info:
+        parse_request(b'{"model": ', CompletionRequest)
+    assert info.value.status == 400 and info.value.code == "invalid_json"
+    with pytest.raises(ProtocolError, match="must be a JSON object"):
+        parse_request(b"[1, 2]", CompletionRequest)
+
+
+def test_unknown_fields_are_ignored():
+    assert completion(frobnicate=True, user="u1").user == "u1"
+
+
+def test_sampling_dict_defaults_and_extensions():
+    req = completion(stop="\n", top_k=5, ignore_eos=True, seed=3, logprobs=2,
+                     stop_token_ids=[9])
+    assert req.sampling(10) == {
+        "max_tokens": 10, "temperature": 1.0, "top_p": 1.0, "top_k": 5, "seed": 3,
+        "stop": ["\n"], "stop_token_ids": [9], "ignore_eos": True, "logprobs": 2}
+    assert completion(temperature=0, top_p=0.5).sampling(4)["temperature"] == 0.0
+
+
+def test_chat_fields():
+    req = chat(max_tokens=5, max_completion_tokens=7, logprobs=True, top_logprobs=3,
+               stream=True, stream_options={"include_usage": True})
+    assert req.requested_max_tokens == 7 and req.max_tokens_param == "max_completion_tokens"
+    assert req.sampling(7)["logprobs"] == 3 and req.include_usage
+    assert chat(logprobs=True).sampling(1)["logprobs"] == 0
+    assert chat().sampling(1)["logprobs"] is None
+    assert not chat(stream_options={"include_usage": True}).include_usage  # stream is off
+    with pytest.raises(ProtocolError, match="top_logprobs requires logprobs"):
+        chat(top_logprobs=2).sampling(1)
+
+
+def test_chat_messages():
+    req = chat(messages=[{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                      {"type": "text", "text": "b"}]}])
+    assert [m.template_message() for m in req.messages] == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
+    image = chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    with pytest.raises(ProtocolError, match="only text content parts"):
+        image.messages[0].template_message()
+    assert refused(chat, messages=[]).param == "messages"
+    assert refused(chat, messages=[{"role": "robot", "content": "x"}]).param == "messages.0.role"
+    assert "tools are not supported" in refused(chat, tools=[{"type": "function"}]).message
+    assert refused(chat, response_format={"type": "json_object"}).param == "response_format"
+
+
+# ----- the token budget -----
+
+def test_max_tokens_within_context():
+    assert resolve_max_tokens(10, 20, 100) == 10
+    assert resolve_max_tokens(80, 20, 100) == 80
+    assert resolve_max_tokens(None, 20, 100) == 80  # unset: the room left
+    assert resolve_max_tokens(None, 20, 100, default=16) == 16
+    assert resolve_max_tokens(None, 95, 100, default=16) == 5  # a default never overflows
+
+
+@pytest.mark.parametrize("requested,prompt,words,param", [
+    (0, 5, "max_tokens must be at least 1, got 0", "max_tokens"),
+    (-3, 5, "at least 1", "max_tokens"),
+    (96, 5, "max_tokens can be at most 95", "max_tokens"),
+    (10**9, 5, "exceeds this model's context of 100 tokens", "max_tokens"),
+    (1, 100, "the prompt has 100 tokens", "prompt"),
+    (None, 150, "shorten the prompt", "prompt"),
+])
+def test_max_tokens_refused(requested, prompt, words, param):
+    with pytest.raises(ProtocolError) as info:
+        resolve_max_tokens(requested, prompt, 100)
+    assert info.value.status == 400 and words in info.value.message
+    assert info.value.param == param
+
+
+def test_budget_names_the_param_the_user_sent():
+    with pytest.raises(ProtocolError, match="max_completion_tokens=500") as info:
+        resolve_max_tokens(500, 5, 100, param="max_completion_tokens", prompt_param="messages")
+    assert info.value.param == "max_completion_tokens"
+
+
+# ----- responses -----
+
+def test_error_shape():
+    assert error_body("bad", param="n") == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": None}}
+    assert ProtocolError("down", 503).body()["error"]["type"] == "server_error"
+    assert ProtocolError("key", 401, code="invalid_api_key").body()["error"]["code"] == \
+        "invalid_api_key"
+
+
+def test_completion_response_shape():
+    fmt = CompletionFormat("cmpl-1", 123, "tiny")
+    assert fmt.response("hello", "length", 3, 2, None) == {
+        "id": "cmpl-1", "object": "text_completion", "created": 123, "model": "tiny",
+        "choices": [{"index": 0, "text": "hello", "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+
+
+def test_completion_stream_shape():
+    fmt = CompletionFormat("cmpl-1", 123, "tiny", include_usage=True)
+    assert fmt.start() == []
+    delta = fmt.delta("he", None)
+    assert delta == {"id": "cmpl-1", "object": "text_completion", "created": 123,
+                     "model": "tiny", "usage": None,
+                     "choices": [{"index": 0, "text": "he", "logprobs": None,
+                                  "finish_reason": None}]}
+    assert fmt.finish("stop")["choices"][0] == {"index": 0, "text": "", "logprobs": None,
+                                                "finish_reason": "stop"}
+    last = fmt.usage_chunk(3, 2)
+    assert last["choices"] == [] and last["usage"]["total_tokens"] == 5
+    assert "usage" not in CompletionFormat("c", 1, "m").delta("x", None)
+
+
+def test_chat_response_and_stream_shape():
+    fmt = ChatFormat("chatcmpl-1", 123, "tiny")
+    body = fmt.response("hi", "stop", 4, 1, None)
+    assert body["object"] == "chat.completion" and body["id"] == "chatcmpl-1"
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                                "logprobs": None, "finish_reason": "stop"}]
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
+    [first] = fmt.start()
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert fmt.delta("h", None)["choices"][0]["delta"] == {"content": "h"}
+    end = fmt.finish("length")["choices"][0]
+    assert end["delta"] == {} and end["finish_reason"] == "length"
+    assert fmt.usage_chunk(4, 1)["choices"] == []
+
+
+def test_logprobs_shapes():
+    entries = token_logprobs([{"token_id": 7, "logprob": -0.5, "top_logprobs": [[7, -0.5],
+                                                                                 [8, -1.5]]},
+                              {"token_id": 9, "logprob": -0.1, "top_logprobs": []}],
+                             lambda i: {7: "ab", 8: "x", 9: "c"}[i])
+    assert entries == [TokenLogprob("ab", -0.5, (("ab", -0.5), ("x", -1.5))),
+                       TokenLogprob("c", -0.1)]
+    assert completion_logprobs(entries, 10) == {
+        "tokens": ["ab", "c"], "token_logprobs": [-0.5, -0.1],
+        "top_logprobs": [{"ab": -0.5, "x": -1.5}, {}], "text_offset": [10, 12]}
+    first = chat_logprobs(entries)["content"][0]
+    assert first == {"token": "ab", "logprob": -0.5, "bytes": [97, 98], "top_logprobs": [
+        {"token": "ab", "logprob": -0.5, "bytes": [97, 98]},
+        {"token": "x", "logprob": -1.5, "bytes": [120]}]}
+
+
+def test_stream_text_offsets_continue_across_chunks():
+    fmt = CompletionFormat("c", 1, "m")
+    fmt.delta("hello", [TokenLogprob("hello", -1.0)])
+    second = fmt.delta(" you", [TokenLogprob(" you", -1.0)])
+    assert second["choices"][0]["logprobs"]["text_offset"] == [5]
+
+
+def test_sse_framing_and_models():
+    assert sse_event({"a": 1}) == 'data: {"a":1}\n\n'
+    assert SSE_DONE == "data: [DONE]\n\n"
+    listing = models_list("tiny", "/m", 256, 5)
+    assert listing["object"] == "list"
+    assert listing["data"][0] == {"id": "tiny", "object": "model", "created": 5,
+                                  "owned_by": "tpserve", "root": "/m", "max_model_len": 256}

@@ -1,0 +1,343 @@
+"""The pure placement policy: at, above and exactly on the target, ties, stale reports, bursts."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Dict, List
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster.placement import (
+    GroupLoad,
+    Placement,
+    PlacementReason,
+    RequestDemand,
+    rank_groups,
+)
+from kv.prefix_hash import extend_block_hashes
+
+R = PlacementReason
+BS = 16
+
+
+def load(
+    group_id: str,
+    used: int,
+    total: int = 100,
+    *,
+    waiting: int = 0,
+    sent: int = 0,
+    cached=(),
+    age: float = 0.1,
+    block_size: int = BS,
+    seq: int = 1,
+) -> GroupLoad:
+    return GroupLoad(
+        group_id=group_id,
+        num_blocks_used=used,
+        num_blocks_total=total,
+        block_size=block_size,
+        num_waiting_tokens=waiting,
+        cached_block_hashes=frozenset(cached),
+        report_seq=seq,
+        report_age_s=age,
+        num_tokens_sent_since_report=sent,
+    )
+
+
+def demand(num_tokens: int, hashes=()) -> RequestDemand:
+    return RequestDemand(num_tokens, tuple(hashes), BS if hashes else None)
+
+
+def ids(placements: List[Placement]) -> List[str]:
+    return [p.group_id for p in placements]
+
+
+def test_projected_occupancy_rounds_each_term_up_to_blocks():
+    # used 10 + ceil(17/16)=2 waiting + ceil(1/16)=1 sent + ceil(16/16)=1 request = 14 of 100.
+    group = load("g", 10, waiting=17, sent=1)
+    assert group.projected_occupancy(16) == 14 / 100
+    assert group.projected_occupancy(17) == 15 / 100
+    assert group.projected_occupancy(0) == 13 / 100
+    [placement] = rank_groups(demand(16), [group])
+    assert placement.projected_occupancy == group.projected_occupancy(16)
+
+
+def test_under_target_group_comes_first_even_when_busier_one_sorts_first_by_id():
+    # "a" would reach 0.75, "b" 0.50: only "b" is under target.
+    placements = rank_groups(demand(5 * BS), [load("a", 70), load("b", 45)])
+    assert placements == [
+        Placement("b", R.UNDER_TARGET, 0.50, 0),
+        Placement("a", R.LEAST_LOADED, 0.75, None),
+    ]
+
+
+def test_exactly_at_target_counts_as_under():
+    # 65 + 5 = 70 of 100 blocks: exactly 0.70.
+    at_target, over = load("at", 65), load("over", 66)
+    placements = rank_groups(demand(5 * BS), [over, at_target])
+    assert [(p.group_id, p.reason) for p in placements] == [
+        ("at", R.UNDER_TARGET),
+        ("over", R.LEAST_LOADED),
+    ]
+    assert placements[0].projected_occupancy == 0.70
+    # One token more needs a sixth block: now both are over.
+    assert rank_groups(demand(5 * BS + 1), [at_target])[0].reason is R.LEAST_LOADED
+
+
+@pytest.mark.parametrize("total", [10, 20, 50, 100, 1000, 4000])
+def test_exactly_at_target_holds_for_every_pool_size(total):
+    needed = int(round(0.7 * total))
+    assert needed / total == 0.7
+    placements = rank_groups(demand(BS), [load("g", needed - 1, total)])
+    assert placements[0].reason is R.UNDER_TARGET
+
+
+def test_when_every_group_is_over_target_the_least_loaded_goes_first():
+    loads = [load("a", 95), load("b", 80), load("c", 99)]
+    placements = rank_groups(demand(2 * BS), loads)
+    assert ids(placements) == ["b", "a", "c"]
+    assert {p.reason for p in placements} == {R.LEAST_LOADED}
+    assert [p.projected_occupancy for p in placements] == [0.82, 0.97, 1.01]
+
+
+def test_ties_break_by_group_id_whatever_the_input_order():
+    loads = [load(f"g{i}", 30) for i in range(8)] + [load("h", 20)]
+    expected = ["h"] + [f"g{i}" for i in range(8)]
+    rng = random.Random(0)
+    for _ in range(10):
+        rng.shuffle(loads)
+        assert ids(rank_groups(demand(BS), loads)) == expected
+
+
+def test_no_groups_gives_an_empty_ranking():
+    assert rank_groups(demand(100), []) == []
+
+
+def test_stale_report_ranks_after_every_fresh_group_even_an_over_target_one():
+    loads = [
+        load("stale_empty", 0, age=6.0),
+        load("busy", 90, age=0.4),
+        load("ok", 50, age=0.4),
+    ]
+    placements = rank_groups(demand(BS), loads, max_report_age_s=5.0)
+    assert [(p.group_id, p.reason) for p in placements] == [
+        ("ok", R.UNDER_TARGET),
+        ("busy", R.LEAST_LOADED),
+        ("stale_empty", R.STALE_REPORT),
+    ]
+
+
+def test_report_exactly_at_the_age_limit_is_still_fresh():
+    placements = rank_groups(demand(BS), [load("g", 0, age=5.0)], max_report_age_s=5.0)
+    assert placements[0].reason is R.UNDER_TARGET
+
+
+def test_stale_groups_rank_among_themselves_by_load():
+    loads = [load("x", 50, age=9.0), load("y", 10, age=7.0)]
+    placements = rank_groups(demand(BS), loads, max_report_age_s=5.0)
+    assert ids(placements) == ["y", "x"]
+    assert {p.reason for p in placements} == {R.STALE_REPORT}
+
+
+def _route_burst(loads: Dict[str, GroupLoad], num_requests: int, num_tokens: int) -> List[str]:
+    """Routes like the router between two reports: each request's tokens are added to the
+    chosen group's ``num_tokens_sent_since_report``."""
+    chosen = []
+    for _ in range(num_requests):
+        best = rank_groups(demand(num_tokens), list(loads.values()))[0].group_id
+        sent = loads[best].num_tokens_sent_since_report + num_tokens
+        loads[best] = dataclasses.replace(loads[best], num_tokens_sent_since_report=sent)
+        chosen.append(best)
+    return chosen
+
+
+def test_a_burst_between_two_reports_spills_over_once_a_group_reaches_target():
+    # Both reported 40 of 100 blocks used. Each request needs 10 blocks; without the sent-token
+    # accounting all six would go to "a" (the tie-break) and take it to 1.00.
+    loads = {"a": load("a", 40), "b": load("b", 40)}
+    chosen = _route_burst(loads, 6, 10 * BS)
+    assert chosen == ["a", "b", "a", "b", "a", "b"]
+    assert loads["a"].projected_occupancy(0) == 0.70
+    # The next request fits nowhere under target: least loaded, and the two are tied.
+    placements = rank_groups(demand(10 * BS), list(loads.values()))
+    assert [(p.group_id, p.reason) for p in placements] == [
+        ("a", R.LEAST_LOADED),
+        ("b", R.LEAST_LOADED),
+    ]
+
+
+def test_sent_tokens_push_the_prefix_group_over_target_so_the_next_request_goes_elsewhere():
+    hashes = extend_block_hashes([], list(range(4 * BS)), BS)
+    request = demand(10 * BS, hashes)
+    loads = {"a": load("a", 20, cached=hashes), "b": load("b", 50)}
+    chosen = []
+    for _ in range(6):
+        best = rank_groups(request, list(loads.values()))[0]
+        chosen.append((best.group_id, best.reason))
+        sent = loads[best.group_id].num_tokens_sent_since_report + request.num_tokens
+        loads[best.group_id] = dataclasses.replace(
+            loads[best.group_id], num_tokens_sent_since_report=sent
+        )
+    # "a" holds the prefix, so it takes requests up to 0.70 exactly, busier than "b" or not.
+    assert chosen == [("a", R.UNDER_TARGET_PREFIX)] * 5 + [("b", R.UNDER_TARGET)]
+    # The next report holds the sent tokens in "used": the ranking is the same.
+    reported = [load("a", 70, cached=hashes, seq=2), load("b", 60, seq=2)]
+    assert ids(rank_groups(request, reported)) == ids(rank_groups(request, list(loads.values())))
+    assert ids(rank_groups(request, reported)) == ["b", "a"]
+
+
+def test_longest_cached_prefix_wins_among_under_target_groups():
+    tokens = list(range(8 * BS))
+    hashes = extend_block_hashes([], tokens, BS)
+    loads = [
+        load("empty", 0),
+        load("two_blocks", 30, cached=hashes[:2]),
+        load("six_blocks", 50, cached=hashes[:6] + [12345]),
+    ]
+    placements = rank_groups(demand(len(tokens) + 64, hashes), loads)
+    assert [(p.group_id, p.reason, p.cached_prefix_blocks) for p in placements] == [
+        ("six_blocks", R.UNDER_TARGET_PREFIX, 6),
+        ("two_blocks", R.UNDER_TARGET_PREFIX, 2),
+        ("empty", R.UNDER_TARGET, 0),
+    ]
+
+
+def test_prefix_does_not_lift_an_over_target_group_above_an_under_target_one():
+    hashes = extend_block_hashes([], list(range(4 * BS)), BS)
+    loads = [load("cached_but_full", 69, cached=hashes), load("cold", 60)]
+    placements = rank_groups(demand(4 * BS, hashes), loads)
+    assert [(p.group_id, p.reason) for p in placements] == [
+        ("cold", R.UNDER_TARGET),
+        ("cached_but_full", R.LEAST_LOADED),
+    ]
+    # When every group is over target, the prefix is ignored: load alone decides.
+    loads = [load("cached_but_full", 90, cached=hashes), load("cold", 80)]
+    assert ids(rank_groups(demand(4 * BS, hashes), loads)) == ["cold", "cached_but_full"]
+
+
+def test_only_leading_blocks_count_and_block_sizes_must_match():
+    hashes = extend_block_hashes([], list(range(5 * BS)), BS)
+    gap = load("gap", 0, cached=[hashes[0], hashes[1], hashes[3], hashes[4]])
+    assert gap.num_cached_prefix_blocks(demand(5 * BS, hashes)) == 2
+    late = load("late", 0, cached=hashes[1:])
+    assert late.num_cached_prefix_blocks(demand(5 * BS, hashes)) == 0
+    other_size = load("other", 0, cached=hashes, block_size=32, total=50)
+    assert other_size.num_cached_prefix_blocks(demand(5 * BS, hashes)) == 0
+    placements = rank_groups(demand(5 * BS, hashes), [other_size, gap])
+    assert [(p.group_id, p.cached_prefix_blocks) for p in placements] == [("gap", 2), ("other", 0)]
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: RequestDemand(-1), "num_tokens"),
+        (lambda: RequestDemand(1.5), "num_tokens"),
+        (lambda: RequestDemand(10, (1, 2)), "block_size is required"),
+        (lambda: RequestDemand(10, (1, 2), 0), "block_size must be positive"),
+        (lambda: load("g", 0, total=0), "num_blocks_total must be positive"),
+        (lambda: load("g", 101, total=100), "num_blocks_used"),
+        (lambda: load("g", -1), "num_blocks_used"),
+        (lambda: load("g", 0, block_size=0), "block_size must be positive"),
+        (lambda: load("g", 0, waiting=-5), "must not be negative"),
+        (lambda: load("g", 0, sent=-5), "must not be negative"),
+        (lambda: load("g", 0, age=-0.1), "report_age_s"),
+        (lambda: load("g", 0, age=float("nan")), "report_age_s"),
+        (lambda: load("", 0), "group_id"),
+        (lambda: rank_groups(demand(1), [load("g", 0)], target_occupancy=0.0), "target"),
+        (lambda: rank_groups(demand(1), [load("g", 0)], target_occupancy=1.5), "target"),
+        (lambda: rank_groups(demand(1), [load("g", 0)], max_report_age_s=0), "max_report"),
+        (lambda: rank_groups(demand(1), [load("g", 0), load("g", 5)]), "distinct"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_it(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+# --- properties ---------------------------------------------------------------------------
+
+TARGET = 0.70
+
+
+@st.composite
+def scenarios(draw):
+    num_groups = draw(st.integers(0, 8))
+    pool = draw(st.lists(st.integers(0, 2**63 - 1), min_size=6, max_size=6, unique=True))
+    loads = []
+    for index in range(num_groups):
+        total = draw(st.integers(1, 200))
+        loads.append(
+            GroupLoad(
+                group_id=f"g{draw(st.integers(0, 3))}{index}",
+                num_blocks_used=draw(st.integers(0, total)),
+                num_blocks_total=total,
+                block_size=draw(st.sampled_from([BS, BS, BS, 32])),
+                num_waiting_tokens=draw(st.integers(0, 2000)),
+                cached_block_hashes=frozenset(draw(st.lists(st.sampled_from(pool), max_size=6))),
+                report_seq=1,
+                report_age_s=draw(st.sampled_from([0.0, 0.5, 4.9, 5.0, 5.1, 60.0])),
+                num_tokens_sent_since_report=draw(st.integers(0, 2000)),
+            )
+        )
+    hashes = draw(st.lists(st.sampled_from(pool), max_size=6, unique=True))
+    request = RequestDemand(draw(st.integers(0, 3000)), tuple(hashes), BS)
+    return request, loads
+
+
+def _naive_prefix(group: GroupLoad, request: RequestDemand) -> int:
+    if group.block_size != request.block_size:
+        return 0
+    count = 0
+    for block_hash in request.block_hashes:
+        if block_hash not in group.cached_block_hashes:
+            break
+        count += 1
+    return count
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_ranking_properties(scenario):
+    request, loads = scenario
+    placements = rank_groups(request, loads, TARGET, max_report_age_s=5.0)
+    by_id = {group.group_id: group for group in loads}
+    assert sorted(ids(placements)) == sorted(by_id)  # every group exactly once
+    fresh_under = [
+        group
+        for group in loads
+        if group.report_age_s <= 5.0 and group.projected_occupancy(request.num_tokens) <= TARGET
+    ]
+    if fresh_under:
+        assert placements[0].reason in (R.UNDER_TARGET, R.UNDER_TARGET_PREFIX)
+        assert placements[0].projected_occupancy <= TARGET
+    tiers = {R.UNDER_TARGET_PREFIX: 0, R.UNDER_TARGET: 0, R.LEAST_LOADED: 1, R.STALE_REPORT: 2}
+    assert [tiers[p.reason] for p in placements] == sorted(tiers[p.reason] for p in placements)
+    for p in placements:
+        group = by_id[p.group_id]
+        assert p.projected_occupancy == group.projected_occupancy(request.num_tokens)
+        if p.reason in (R.UNDER_TARGET, R.UNDER_TARGET_PREFIX):
+            assert p.cached_prefix_blocks == _naive_prefix(group, request)
+            assert (p.reason is R.UNDER_TARGET_PREFIX) == (p.cached_prefix_blocks > 0)
+        else:
+            assert p.cached_prefix_blocks is None
+    # Within a tier: longer prefix first (under target), then lower occupancy, then id.
+    keys = [
+        (tiers[p.reason], -(p.cached_prefix_blocks or 0), p.projected_occupancy, p.group_id)
+        for p in placements
+    ]
+    assert keys == sorted(keys)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 50), max_size=40, unique=True),
+    st.lists(st.integers(0, 50), max_size=60),
+)
+def test_cached_prefix_count_is_the_leading_run(request_hashes, cached):
+    group = load("g", 0, cached=cached)
+    request = RequestDemand(1, tuple(request_hashes), BS)
+    assert group.num_cached_prefix_blocks(request) == _naive_prefix(group, request)
