@@ -24,9 +24,9 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not multiproc and not ray"
 
+# Serves the default model (SmolLM2-135M-Instruct) on a local Ray: http://127.0.0.1:8000/v1
 serve: $(STAMP)
-	@echo 'tpserve serve arrives with the serving issue; for now: make model, then $(VENV)/bin/tpserve generate --prompt ...' >&2
-	@exit 2
+	$(VENV)/bin/tpserve serve --model default --host 127.0.0.1 --port 8000
 
 model: $(STAMP)
 	$(VENV)/bin/tpserve model default

@@ -32,6 +32,7 @@ class ServeConfig:
     api_key: Optional[str] = None
     served_model_name: Optional[str] = None
     routing_stats_period_s: float = 0.5
+    placement_strategy: str = "PACK"  # of each group's ranks: PACK, SPREAD, STRICT_PACK/SPREAD
     max_ongoing_requests: int = 256
 
     def __post_init__(self) -> None:
@@ -81,7 +82,7 @@ def build_app(config: ServeConfig, cluster: Dict[str, float]):
     groups = serve.deployment(TPGroupServer).options(
         name="TPGroup",
         placement_group_bundles=resources.bundles(engine.tp_size),
-        placement_group_strategy="PACK",
+        placement_group_strategy=config.placement_strategy,
         ray_actor_options={"num_cpus": resources.cpus_per_rank,
                            "num_gpus": resources.gpus_per_rank},
         max_ongoing_requests=config.max_ongoing_requests,

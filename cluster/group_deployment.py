@@ -87,6 +87,13 @@ class TPGroupServer:
         if not self.engine.is_alive:
             raise RuntimeError(f"TP group {self.group_id} engine died: {self.engine.error}")
 
+    def rank_nodes(self) -> List[str]:
+        """Node id of every rank, rank 0 first (where the placement group put them)."""
+        children = self.engine.engine.child_ranks
+        actors = children.actors if children is not None else []
+        return [ray.get_runtime_context().get_node_id()] + ray.get(
+            [actor.node_id.remote() for actor in actors])
+
     def metrics_snapshot(self) -> Dict:
         return group_metrics_snapshot(self.engine)
 

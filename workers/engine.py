@@ -248,6 +248,11 @@ class LLMEngine:
             plan.num_tokens, len(plan.seqs), sum(s.needs_logits for s in plan.seqs), context,
             duration_s))
 
+    @property
+    def child_ranks(self):
+        """The launcher's handles of ranks 1..N-1 (None at TP 1)."""
+        return self._children
+
     def kv_usage(self) -> KVUsage:
         return self.scheduler.kv_usage()
 

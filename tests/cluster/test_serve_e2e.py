@@ -1,0 +1,100 @@
+"""The whole product on Ray: `build_app` (ingress + KV-aware router + a TP 2 group whose rank 1 is
+a Ray actor), driven with the official `openai` client; greedy outputs equal transformers'."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+from ray import serve  # noqa: E402
+
+from cluster.app import ServeConfig, build_app  # noqa: E402
+from cluster.metrics import kill_metrics_store  # noqa: E402
+from tiny_models import hf_greedy  # noqa: E402
+from workers.config import EngineConfig  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+API_KEY = "e2e-key"
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], list(range(100, 131))]
+MAX_NEW = 10
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_app(model_dir, port, **config):
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    engine = EngineConfig(model=str(model_dir), tp_size=2, block_size=4, num_kv_blocks=128)
+    app = build_app(ServeConfig(engine=engine, api_key=API_KEY, served_model_name="tiny",
+                                **config), ray.cluster_resources())
+    serve.run(app, name="tpserve", route_prefix="/")
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY,
+                         max_retries=0, timeout=120)
+
+
+def stop_serving():
+    serve.shutdown()
+    kill_metrics_store()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama):
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False)
+    try:
+        yield serve_app(tiny_llama, free_port())
+    finally:
+        stop_serving()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama):
+    return hf_greedy(tiny_llama, PROMPTS, MAX_NEW)
+
+
+def test_greedy_completions_equal_transformers(client, tiny_llama, expected):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    for prompt, want in zip(PROMPTS, expected):
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_NEW,
+                                        temperature=0.0)
+        assert out.usage.prompt_tokens == len(prompt)
+        assert out.usage.completion_tokens == len(want)
+        assert out.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_text_prompt_chat_and_streaming(client):
+    text = client.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=4,
+                                     temperature=0.0)
+    assert text.usage.completion_tokens == 4
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=4,
+        temperature=0.0)
+    assert chat.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=4,
+        temperature=0.0, stream=True)
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(pieces) == chat.choices[0].message.content
+
+
+def test_bad_request_and_wrong_key(client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=-3)
+    wrong = client.with_options(api_key="not-the-key")
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model="tiny", prompt="hi", max_tokens=2)
+
+
+def test_group_ranks_share_one_node_by_default(client):
+    handle = serve.get_deployment_handle("TPGroup", app_name="tpserve")
+    nodes = handle.rank_nodes.remote().result()
+    assert len(nodes) == 2 and nodes[0] == nodes[1]

@@ -1,0 +1,48 @@
+"""A TP 2 group spread over two nodes of a `ray.cluster_utils.Cluster`: rank 0 (the Serve
+replica) on one, rank 1 (a Ray actor) on the other, all-reducing over gloo; greedy outputs through
+the HTTP API equal transformers'."""
+
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+from ray import serve  # noqa: E402
+
+from cluster.metrics import kill_metrics_store  # noqa: E402
+from test_serve_e2e import MAX_NEW, PROMPTS, free_port, serve_app  # noqa: E402
+from tiny_models import hf_greedy  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
+
+
+def test_group_spanning_two_nodes_equals_transformers(tiny_llama):
+    from ray.cluster_utils import Cluster
+    from transformers import AutoTokenizer
+
+    expected = hf_greedy(tiny_llama, PROMPTS, MAX_NEW)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    # Ray reads this at import; the constant it became must be patched too (see DESIGN.md).
+    patch = pytest.MonkeyPatch()
+    patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    patch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+    cluster = Cluster()
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address)
+        client = serve_app(tiny_llama, free_port(), placement_strategy="STRICT_SPREAD")
+        nodes = serve.get_deployment_handle("TPGroup", app_name="tpserve").rank_nodes.remote()
+        assert len(set(nodes.result())) == 2
+        for prompt, want in zip(PROMPTS, expected):
+            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_NEW,
+                                            temperature=0.0)
+            assert out.usage.completion_tokens == len(want)
+            assert out.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+    finally:
+        serve.shutdown()
+        kill_metrics_store()
+        ray.shutdown()
+        cluster.shutdown()
+        patch.undo()
