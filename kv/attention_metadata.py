@@ -6,10 +6,10 @@ consecutive tokens after ``num_computed`` tokens already in the cache::
     seq b:  [ cached prefix: num_computed ][ this step: query_len ]   context_len = sum of both
              slots from block_table[b]        written to slot_mapping, then attended to as well
 
-Sequences are split into buckets (all decodes, i.e. ``query_len == 1``, together; prefills
-together) so that padding a bucket to its longest query costs little. Each bucket carries the
-gather indices of its queries and cached keys and a boolean mask, so attention is one dense
-batched call per bucket and layer.
+Decodes (``query_len == 1``) form one bucket: padded gather indices of their queries and cached
+keys and a boolean mask, so they attend in one batched call per layer. Prefills attend one
+sequence at a time (``PrefillSlice``): padding prompts of different lengths to the longest would
+cost more than the extra calls, and a prefill without a cached prefix needs no mask at all.
 """
 
 from __future__ import annotations
@@ -45,13 +45,24 @@ class AttentionBucket:
 
 
 @dataclass(frozen=True)
+class PrefillSlice:
+    """One prefilling sequence: rows ``start:end`` of the flat batch attend to ``kv_slots``."""
+
+    start: int
+    end: int
+    kv_slots: torch.Tensor  # [context_len] cache slots of its keys, in position order
+    mask: Optional[torch.Tensor]  # [1, 1, query_len, context_len]; None: plain causal
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Everything a layer needs to write and read the paged KV cache for one step."""
 
     num_tokens: int
     positions: torch.Tensor  # [T] position of each new token in its sequence
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V goes to
-    buckets: List[AttentionBucket]
+    buckets: List[AttentionBucket]  # the decodes, batched
+    prefills: List[PrefillSlice]
 
 
 def build_attention_metadata(
@@ -70,18 +81,35 @@ def build_attention_metadata(
         positions.extend(pos)
         slots.extend(seq.block_ids[p // block_size] * block_size + p % block_size for p in pos)
     decodes = [i for i, s in enumerate(seqs) if s.query_len == 1]
-    prefills = [i for i, s in enumerate(seqs) if s.query_len > 1]
-    buckets = [
-        _build_bucket([seqs[i] for i in group], [starts[i] for i in group], offset, block_size,
-                      device, sliding_window)
-        for group in (decodes, prefills) if group
-    ]
+    buckets = []
+    if decodes:
+        buckets.append(_build_bucket([seqs[i] for i in decodes], [starts[i] for i in decodes],
+                                     offset, block_size, device, sliding_window))
+    prefills = [_build_prefill(seq, start, block_size, device, sliding_window)
+                for seq, start in zip(seqs, starts) if seq.query_len > 1]
     return AttentionMetadata(
         num_tokens=offset,
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         buckets=buckets,
+        prefills=prefills,
     )
+
+
+def _build_prefill(seq: SeqSlice, start: int, block_size: int, device: torch.device,
+                   sliding_window: Optional[int]) -> PrefillSlice:
+    key_pos = torch.arange(seq.context_len)  # [ctx]
+    blocks = torch.as_tensor(list(seq.block_ids[:-(-seq.context_len // block_size)]))
+    kv_slots = blocks[key_pos // block_size] * block_size + key_pos % block_size
+    mask = None
+    windowed = sliding_window is not None and seq.context_len > sliding_window
+    if seq.num_computed or windowed:  # a cached prefix shifts the diagonal; a window cuts it
+        q_pos = torch.arange(seq.num_computed, seq.context_len)[:, None]  # [q, 1]
+        mask = key_pos[None, :] <= q_pos
+        if windowed:
+            mask &= key_pos[None, :] > q_pos - sliding_window
+        mask = mask[None, None].to(device)
+    return PrefillSlice(start, start + seq.query_len, kv_slots.to(device), mask)
 
 
 def _build_bucket(

@@ -1,13 +1,13 @@
 """Paged attention over block tables in plain PyTorch (runs on CPU and CUDA alike).
 
-For each bucket of the step (see ``attention_metadata``), queries and the keys/values of every
-cached position are gathered into padded dense tensors and attended with one
-``scaled_dot_product_attention`` call. Grouped-query attention never repeats K/V: the ``G`` query
-heads that share a KV head are folded into the query length, ``[B, Hkv, G * max_q, D]``, so a
-KV head is read once for its whole group.
+Decodes: queries and the keys/values of every cached position are gathered into padded dense
+tensors and attended with one ``scaled_dot_product_attention`` call. Grouped-query attention
+never repeats K/V there: the ``G`` query heads that share a KV head are folded into the query
+length, ``[B, Hkv, G, D]``, so a KV head is read once for its whole group. Cost per layer: a
+gather of ``B * max_ctx`` K and V rows and ``B * H * max_ctx`` scores.
 
-Cost per bucket and layer: a gather of ``B * max_ctx`` K and V rows, and attention over
-``B * Hkv * G * max_q * max_ctx`` scores.
+Prefills: one call per sequence over its exact context (no padding), causal without a mask when
+nothing is cached before it. Cost per layer: ``H * query_len * context_len`` scores.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kv.attention_metadata import AttentionBucket, AttentionMetadata
+from kv.attention_metadata import AttentionBucket, AttentionMetadata, PrefillSlice
 
 
 def paged_attention(
@@ -36,7 +36,25 @@ def paged_attention(
     padded_query = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
     for bucket in metadata.buckets:
         out[bucket.token_index] = _attend_bucket(padded_query, k_cache, v_cache, bucket, scale)
+    for prefill in metadata.prefills:
+        out[prefill.start:prefill.end] = _attend_prefill(query, k_cache, v_cache, prefill, scale)
     return out
+
+
+def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    prefill: PrefillSlice, scale: float) -> torch.Tensor:
+    num_heads, head_dim = query.shape[1:]
+    group = num_heads // k_cache.shape[1]
+    q = query[prefill.start:prefill.end].transpose(0, 1)  # [H, q, D]
+    k = k_cache[prefill.kv_slots].transpose(0, 1)  # [Hkv, ctx, D]
+    v = v_cache[prefill.kv_slots].transpose(0, 1)
+    if group > 1:
+        k = k.repeat_interleave(group, dim=0)  # [H, ctx, D]
+        v = v.repeat_interleave(group, dim=0)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=prefill.mask,
+        is_causal=prefill.mask is None, scale=scale)  # [1, H, q, D]
+    return out[0].transpose(0, 1).reshape(-1, num_heads * head_dim)
 
 
 def _attend_bucket(

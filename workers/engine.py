@@ -207,16 +207,18 @@ class LLMEngine:
         reason = request.stop_reason_for_last_token()
         delta = ""
         detok = self._detok.get(request.request_id)
+        stopped_by_string = False
         if detok is not None:
             delta = detok.add_token(token.token_id)
             text_before = len(detok.text) - len(delta)
             if detok.find_stop(delta) is not None:
                 delta = detok.text[text_before:]  # the part before the stop string
                 reason = FinishReason.STOP
+                stopped_by_string = True
         if reason is None and request.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
-        if detok is not None and reason is not None and reason is not FinishReason.STOP:
-            delta += detok.flush()
+        if detok is not None and reason is not None and not stopped_by_string:
+            delta += detok.flush()  # the text held back for an incomplete character
         if reason is not None:
             self.scheduler.finish(request, reason)
         return self._output(request, [token.token_id], delta)

@@ -1,0 +1,66 @@
+"""A rank actor that dies takes its TP group down cleanly: the request in flight fails fast with
+an error (no hang), the replica reports unhealthy, Serve replaces the group, and new requests are
+served again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+from ray import serve  # noqa: E402
+from ray.util.state import list_actors  # noqa: E402
+
+from test_serve_e2e import free_port, serve_app, stop_serving  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama):
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False)
+    try:
+        yield serve_app(tiny_llama, free_port())
+    finally:
+        stop_serving()
+
+
+def rank_actor_pids():
+    return [a.pid for a in list_actors(filters=[("class_name", "=", "RankActor"),
+                                                ("state", "=", "ALIVE")])]
+
+
+def test_killed_rank_fails_the_stream_and_the_group_is_replaced(client):
+    assert client.completions.create(model="tiny", prompt=[5, 6], max_tokens=2).usage
+    (pid,) = rank_actor_pids()
+    stream = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=240,
+                                       stream=True, extra_body={"ignore_eos": True})
+    started = time.monotonic()
+    received = 0
+    with pytest.raises(openai.APIError):
+        for _ in stream:
+            received += 1
+            if received == 2:
+                os.kill(pid, signal.SIGKILL)  # rank 1 crashes mid-generation
+    assert time.monotonic() - started < 60  # failed fast, did not hang on the collective
+    assert received < 240
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # Serve replaces the whole group (new rank actor too)
+        try:
+            out = client.completions.create(model="tiny", prompt=[5, 6], max_tokens=3,
+                                            temperature=0.0)
+            if out.usage.completion_tokens == 3 and pid not in rank_actor_pids():
+                break
+        except openai.APIError:
+            pass
+        time.sleep(1.0)
+    else:
+        pytest.fail("the TP group was not replaced within 120 s")
+    assert len(rank_actor_pids()) == 1
+    status = serve.status().applications["tpserve"].deployments["TPGroup"].status
+    assert status == "HEALTHY"
