@@ -6,8 +6,8 @@ consecutive tokens after ``num_computed`` tokens already in the cache::
     seq b:  [ cached prefix: num_computed ][ this step: query_len ]   context_len = sum of both
              slots from block_table[b]        written to slot_mapping, then attended to as well
 
-Decodes (``query_len == 1``) form one bucket: padded gather indices of their queries and cached
-keys and a boolean mask, so they attend in one batched call per layer. Prefills attend one
+Decodes (``query_len == 1``) form buckets of similar context lengths: padded gather indices of their queries and cached
+keys and a boolean mask, so each bucket attends in one batched call per layer. Prefills attend one
 sequence at a time (``PrefillSlice``): padding prompts of different lengths to the longest would
 cost more than the extra calls, and a prefill without a cached prefix needs no mask at all.
 """
@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
+
+
+DECODE_BUCKET_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -80,11 +83,16 @@ def build_attention_metadata(
         pos = range(seq.num_computed, seq.context_len)
         positions.extend(pos)
         slots.extend(seq.block_ids[p // block_size] * block_size + p % block_size for p in pos)
-    decodes = [i for i, s in enumerate(seqs) if s.query_len == 1]
-    buckets = []
-    if decodes:
-        buckets.append(_build_bucket([seqs[i] for i in decodes], [starts[i] for i in decodes],
-                                     offset, block_size, device, sliding_window))
+    # Decodes sorted by context length, in buckets of similar lengths: each bucket pads its
+    # gathered K/V only to its own longest context.
+    decodes = sorted((i for i, s in enumerate(seqs) if s.query_len == 1),
+                     key=lambda i: seqs[i].context_len)
+    buckets = [
+        _build_bucket([seqs[i] for i in group], [starts[i] for i in group], offset, block_size,
+                      device, sliding_window)
+        for group in (decodes[k:k + DECODE_BUCKET_SIZE]
+                      for k in range(0, len(decodes), DECODE_BUCKET_SIZE))
+    ]
     prefills = [_build_prefill(seq, start, block_size, device, sliding_window)
                 for seq, start in zip(seqs, starts) if seq.query_len > 1]
     return AttentionMetadata(

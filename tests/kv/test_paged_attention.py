@@ -25,17 +25,22 @@ def dense_reference(q, k, v, num_computed, window=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
 
 
-@pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (4, 2, None), (6, 1, 5)])
-def test_paged_matches_dense(heads, kv_heads, window):
+MIXED = [(9, 1), (0, 11), (6, 7), (14, 1), (0, 1)]
+# More decodes than one bucket holds, of scattered lengths (buckets sort and split them).
+MANY_DECODES = [((i * 7) % 23, 1) for i in range(37)] + [(3, 5)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,window,shapes", [
+    (4, 4, None, MIXED), (4, 2, None, MIXED), (6, 1, 5, MIXED), (4, 2, None, MANY_DECODES)])
+def test_paged_matches_dense(heads, kv_heads, window, shapes):
     torch.manual_seed(0)
     rng = random.Random(0)
-    block_size, head_dim, num_blocks = 4, 8, 64
+    block_size, head_dim, num_blocks = 4, 8, 256
     k_cache = torch.zeros(num_blocks * block_size, kv_heads, head_dim)
     v_cache = torch.zeros_like(k_cache)
     free_blocks = list(range(num_blocks))
     rng.shuffle(free_blocks)  # blocks scattered across the pool
-    # (cached prefix length, new tokens): decodes, a prefill on top of a cached prefix, a fresh one
-    shapes = [(9, 1), (0, 11), (6, 7), (14, 1), (0, 1)]
+    # shapes: (cached prefix length, new tokens) per sequence
     seqs, full_k, full_v, queries = [], [], [], []
     for num_computed, q_len in shapes:
         ctx = num_computed + q_len
@@ -59,4 +64,4 @@ def test_paged_matches_dense(heads, kv_heads, window):
                           for q, k, v, s in zip(queries, full_k, full_v, seqs)])
     assert out.shape == expected.shape
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert meta.positions.tolist()[:2] == [9, 0]  # decode at position 9, then the fresh prefill
+    assert meta.positions.tolist()[:2] == [shapes[0][0], shapes[1][0]]
