@@ -13,7 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -58,11 +58,18 @@ class RequestOutput:
 class StepRecord:
     """Shape of one executed step, for throughput and roofline accounting."""
 
-    num_tokens: int
-    num_seqs: int
+    seqs: Tuple[Tuple[int, int], ...]  # per scheduled sequence: (tokens cached before, new)
     num_logits: int
-    num_context_tokens: int  # sum over scheduled seqs of tokens attended to
     duration_s: float
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(new for _, new in self.seqs)
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Tokens already in the cache that the step's sequences attend to."""
+        return sum(cached for cached, _ in self.seqs)
 
 
 class LLMEngine:
@@ -244,11 +251,10 @@ class LLMEngine:
         )
 
     def _record(self, scheduled: ScheduledStep, duration_s: float) -> None:
-        plan = scheduled.plan
-        context = sum(r.num_computed_tokens for r, _ in scheduled.scheduled)
-        self.step_records.append(StepRecord(
-            plan.num_tokens, len(plan.seqs), sum(s.needs_logits for s in plan.seqs), context,
-            duration_s))
+        # Called after the scheduler advanced each request by its n new tokens.
+        seqs = tuple((r.num_computed_tokens - n, n) for r, n in scheduled.scheduled)
+        logits = sum(s.needs_logits for s in scheduled.plan.seqs)
+        self.step_records.append(StepRecord(seqs, logits, duration_s))
 
     @property
     def child_ranks(self):
