@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Dict, List, Optional, Sequence
@@ -87,12 +88,12 @@ class TPGroupServer:
         if not self.engine.is_alive:
             raise RuntimeError(f"TP group {self.group_id} engine died: {self.engine.error}")
 
-    def rank_nodes(self) -> List[str]:
-        """Node id of every rank, rank 0 first (where the placement group put them)."""
+    def rank_info(self) -> List[Dict]:
+        """Node id and process id of every rank, rank 0 (this replica) first."""
         children = self.engine.engine.child_ranks
         actors = children.actors if children is not None else []
-        return [ray.get_runtime_context().get_node_id()] + ray.get(
-            [actor.node_id.remote() for actor in actors])
+        here = {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        return [here] + ray.get([actor.info.remote() for actor in actors])
 
     def metrics_snapshot(self) -> Dict:
         return group_metrics_snapshot(self.engine)

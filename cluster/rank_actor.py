@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from typing import List, Optional
 
@@ -47,8 +48,9 @@ class RankActor:
         if self._error is not None:
             raise self._error
 
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
+    def info(self) -> dict:
+        """Where this rank runs: its node id and process id."""
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
 
 class RayRankActors:

@@ -13,7 +13,6 @@ import pytest
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
-from ray.util.state import list_actors  # noqa: E402
 
 from test_serve_e2e import free_port, serve_app, stop_serving  # noqa: E402
 
@@ -29,14 +28,15 @@ def client(tiny_llama):
         stop_serving()
 
 
-def rank_actor_pids():
-    return [a.pid for a in list_actors(filters=[("class_name", "=", "RankActor"),
-                                                ("state", "=", "ALIVE")])]
+def rank_pids():
+    """Process ids of the group's ranks (rank 0: the replica; rank 1: its Ray actor)."""
+    handle = serve.get_deployment_handle("TPGroup", app_name="tpserve")
+    return [rank["pid"] for rank in handle.rank_info.remote().result()]
 
 
 def test_killed_rank_fails_the_stream_and_the_group_is_replaced(client):
     assert client.completions.create(model="tiny", prompt=[5, 6], max_tokens=2).usage
-    (pid,) = rank_actor_pids()
+    pid = rank_pids()[1]
     stream = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=240,
                                        stream=True, extra_body={"ignore_eos": True})
     started = time.monotonic()
@@ -54,13 +54,13 @@ def test_killed_rank_fails_the_stream_and_the_group_is_replaced(client):
         try:
             out = client.completions.create(model="tiny", prompt=[5, 6], max_tokens=3,
                                             temperature=0.0)
-            if out.usage.completion_tokens == 3 and pid not in rank_actor_pids():
+            if out.usage.completion_tokens == 3 and pid not in rank_pids():
                 break
         except openai.APIError:
             pass
         time.sleep(1.0)
     else:
         pytest.fail("the TP group was not replaced within 120 s")
-    assert len(rank_actor_pids()) == 1
+    assert len(rank_pids()) == 2
     status = serve.status().applications["tpserve"].deployments["TPGroup"].status
     assert status == "HEALTHY"
