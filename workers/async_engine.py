@@ -110,7 +110,9 @@ class AsyncLLMEngine:
                 self._drain_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
-                    self.load = self._snapshot_load()
+                # Refreshed when idle too (every drain timeout): a report that stops changing
+                # looks stale to the router, which would then starve an idle group.
+                self.load = self._snapshot_load()
         except Exception as exc:  # a rank or a collective failed: fail everything in flight
             logger.exception("engine step failed; failing %d requests", len(self._streams))
             self._error = exc

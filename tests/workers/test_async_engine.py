@@ -62,3 +62,11 @@ def test_bad_request_raises_to_the_caller_only(engine):
 
     assert len(asyncio.run(main())[-1].output_token_ids) == 2
     assert engine.is_alive
+
+
+def test_an_idle_engine_keeps_its_load_report_fresh(engine):
+    import time
+
+    first = engine.load
+    time.sleep(1.2)  # no requests: the engine thread only waits for commands
+    assert engine.load.seq > first.seq and engine.load.time > first.time
