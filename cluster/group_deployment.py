@@ -95,9 +95,6 @@ class TPGroupServer:
         here = {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
         return [here] + ray.get([actor.info.remote() for actor in actors])
 
-    def metrics_snapshot(self) -> Dict:
-        return group_metrics_snapshot(self.engine)
-
     def _push_metrics(self, period_s: float = 1.0) -> None:
         store = get_metrics_store()
         while not self._stop.wait(period_s):

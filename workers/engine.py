@@ -93,8 +93,7 @@ class LLMEngine:
             self._children.wait_ready()
         kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                            self.max_model_len), kv)
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), kv)
         self._requests: Dict[RequestId, Request] = {}
         self._detok: Dict[RequestId, IncrementalDetokenizer] = {}
         self._aborted: List[Request] = []
