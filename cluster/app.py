@@ -33,12 +33,15 @@ class ServeConfig:
     served_model_name: Optional[str] = None
     routing_stats_period_s: float = 0.5
     placement_strategy: str = "PACK"  # of each group's ranks: PACK, SPREAD, STRICT_PACK/SPREAD
+    router: str = "kv"  # "kv": tpserve's KV-aware router; "pow2": Serve's default (baseline)
     max_ongoing_requests: int = 256
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_groups <= self.max_groups:
             raise ValueError(f"--groups must be N or MIN:MAX with 1 <= MIN <= MAX, got "
                              f"{self.min_groups}:{self.max_groups}")
+        if self.router not in ("kv", "pow2"):
+            raise ValueError(f"router must be 'kv' or 'pow2', got {self.router!r}")
         if not 0.0 < self.kv_target_occupancy <= 1.0:
             raise ValueError(f"--kv-target-occupancy must be in (0, 1], got "
                              f"{self.kv_target_occupancy}")
@@ -66,6 +69,17 @@ def group_resources(config: ServeConfig, cluster: Dict[str, float]) -> GroupReso
     return GroupResources(cpus_per_rank=min(1.0, max(0.1, share)), gpus_per_rank=0.0)
 
 
+def router_config(config: ServeConfig) -> RequestRouterConfig:
+    """The group deployment's router: tpserve's KV-aware one, or Serve's default to compare."""
+    stats = dict(request_routing_stats_period_s=config.routing_stats_period_s,
+                 request_routing_stats_timeout_s=max(1.0, config.routing_stats_period_s * 2))
+    if config.router == "pow2":
+        return RequestRouterConfig(**stats)
+    return RequestRouterConfig(
+        request_router_class=KVAwareRouter,
+        request_router_kwargs={"target_occupancy": config.kv_target_occupancy}, **stats)
+
+
 def build_app(config: ServeConfig, cluster: Dict[str, float]):
     """The Serve application for ``config`` on a cluster with resources ``cluster``."""
     engine = config.engine
@@ -87,11 +101,7 @@ def build_app(config: ServeConfig, cluster: Dict[str, float]):
                            "num_gpus": resources.gpus_per_rank},
         max_ongoing_requests=config.max_ongoing_requests,
         health_check_period_s=2.0,
-        request_router_config=RequestRouterConfig(
-            request_router_class=KVAwareRouter,
-            request_router_kwargs={"target_occupancy": config.kv_target_occupancy},
-            request_routing_stats_period_s=config.routing_stats_period_s,
-            request_routing_stats_timeout_s=max(1.0, config.routing_stats_period_s * 2)),
+        request_router_config=router_config(config),
         **scaling,
     ).bind(engine, resources)
     name = config.served_model_name or model_dir.name

@@ -517,27 +517,14 @@ def free_port() -> int:
 
 
 def build_bench_app(config: Any, router: str) -> Any:
-    """tpserve's application; with ``router="pow2"`` the group deployment uses Serve's default
-    router instead. ``ServeConfig`` has no router option, so the bound graph is edited here: the
-    ingress's first argument is the bound group deployment."""
+    """tpserve's application with the given router ("kv", or Serve's default "pow2")."""
+    import dataclasses
+
     import ray
-    from ray.serve.config import RequestRouterConfig
 
     from cluster.app import build_app
 
-    app = build_app(config, ray.cluster_resources())
-    if router == "kv":
-        return app
-    groups = app._bound_deployment.init_args[0]
-    deployment = groups._bound_deployment
-    if deployment.name != "TPGroup":
-        raise RuntimeError(f"expected the ingress's first argument to be the TPGroup deployment, "
-                           f"got {deployment.name!r}: cluster.app.build_app changed")
-    period = config.routing_stats_period_s
-    groups._bound_deployment = deployment.options(request_router_config=RequestRouterConfig(
-        request_routing_stats_period_s=period,
-        request_routing_stats_timeout_s=max(1.0, 2 * period)))
-    return app
+    return build_app(dataclasses.replace(config, router=router), ray.cluster_resources())
 
 
 def _routers_in_process(_replica: Any) -> Dict[str, Any]:

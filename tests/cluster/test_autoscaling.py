@@ -31,3 +31,4 @@ def test_policy_scales_up_at_once_and_down_after_a_streak():
     assert decisions == [3, 3, 1]
     num, state = policy(ctx([0.1, 0.1, 0.1], 3, {"low_streak": 2}))
     assert num == 1 and state["low_streak"] == 0
+

@@ -1,0 +1,26 @@
+"""The Serve application's configuration: router choice and validation."""
+
+import pytest
+
+from cluster.app import ServeConfig, parse_groups, router_config
+from cluster.kv_router import KVAwareRouter
+from workers.config import EngineConfig
+
+
+def test_serve_config_router_choice():
+    engine = EngineConfig(model="default")
+    kv = router_config(ServeConfig(engine=engine, kv_target_occupancy=0.6))
+    assert kv.request_router_kwargs == {"target_occupancy": 0.6}
+    assert KVAwareRouter.__name__ in str(kv.request_router_class)
+    pow2 = router_config(ServeConfig(engine=engine, router="pow2"))
+    assert "PowerOfTwoChoices" in str(pow2.request_router_class)
+    with pytest.raises(ValueError, match="router must be 'kv' or 'pow2'"):
+        ServeConfig(engine=engine, router="random")
+
+
+def test_groups_flag():
+    assert parse_groups("2") == (2, 2) and parse_groups("1:4") == (1, 4)
+    with pytest.raises(ValueError, match="--groups must be N or MIN:MAX"):
+        parse_groups("a:b")
+    with pytest.raises(ValueError, match="1 <= MIN <= MAX"):
+        ServeConfig(engine=EngineConfig(model="default"), min_groups=3, max_groups=2)
