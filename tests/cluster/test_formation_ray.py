@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import (  # noqa: E402
     NODE_ID_LABEL_KEY,
     placement_group,
@@ -37,6 +36,7 @@ from cluster.formation import (  # noqa: E402
 from parallel.grouping import DeviceKind, RankPlacement  # noqa: E402
 from parallel.topology import GpuTopology  # noqa: E402
 from parallel.topology_probe import IBSTAT_FILE_ENV, NVSMI_FILE_ENV  # noqa: E402
+from ray_clusters import loopback_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 
@@ -65,24 +65,9 @@ class RankReporter:
 def two_node_cluster():
     if not DATA.is_dir():
         pytest.skip(f"topology fixtures not found at {DATA}")
-    # On loopback the driver hangs connecting to GCS unless Ray keeps to 127.0.0.1. Ray reads the
-    # variable when it is imported: set it for the processes the cluster starts, and patch the
-    # constant it became in this (already importing) process.
-    patch = pytest.MonkeyPatch()
-    patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    patch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
-    cluster = Cluster()
-    try:
-        # The raylet's environment reaches every worker it starts, so each probe reads its node's.
-        for _ in range(2):
-            cluster.add_node(num_cpus=1, num_gpus=2, env_vars=NODE_ENV)
-        ray.init(address=cluster.address)
-        cluster.wait_for_nodes()
+    # The raylet's environment reaches every worker it starts, so each probe reads its node's.
+    with loopback_cluster([dict(num_cpus=1, num_gpus=2, env_vars=NODE_ENV)] * 2) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        patch.undo()
 
 
 @pytest.fixture(scope="module")

@@ -12,37 +12,27 @@ from ray import serve  # noqa: E402
 
 from cluster.metrics import kill_metrics_store  # noqa: E402
 from test_serve_e2e import MAX_NEW, PROMPTS, free_port, serve_app  # noqa: E402
+from ray_clusters import loopback_cluster  # noqa: E402
 from tiny_models import hf_greedy  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
 
 
 def test_group_spanning_two_nodes_equals_transformers(tiny_llama):
-    from ray.cluster_utils import Cluster
     from transformers import AutoTokenizer
 
     expected = hf_greedy(tiny_llama, PROMPTS, MAX_NEW)
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
-    # Ray reads this at import; the constant it became must be patched too (see DESIGN.md).
-    patch = pytest.MonkeyPatch()
-    patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    patch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
-    cluster = Cluster()
-    try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=1)
-        ray.init(address=cluster.address)
-        client = serve_app(tiny_llama, free_port(), placement_strategy="STRICT_SPREAD")
-        ranks = serve.get_deployment_handle("TPGroup", app_name="tpserve").rank_info.remote()
-        assert len({rank["node_id"] for rank in ranks.result()}) == 2
-        for prompt, want in zip(PROMPTS, expected):
-            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_NEW,
-                                            temperature=0.0)
-            assert out.usage.completion_tokens == len(want)
-            assert out.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
-    finally:
-        serve.shutdown()
-        kill_metrics_store()
-        ray.shutdown()
-        cluster.shutdown()
-        patch.undo()
+    with loopback_cluster([dict(num_cpus=1)] * 2):
+        try:
+            client = serve_app(tiny_llama, free_port(), placement_strategy="STRICT_SPREAD")
+            ranks = serve.get_deployment_handle("TPGroup", app_name="tpserve").rank_info.remote()
+            assert len({rank["node_id"] for rank in ranks.result()}) == 2
+            for prompt, want in zip(PROMPTS, expected):
+                out = client.completions.create(model="tiny", prompt=prompt,
+                                                max_tokens=MAX_NEW, temperature=0.0)
+                assert out.usage.completion_tokens == len(want)
+                assert out.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+        finally:
+            serve.shutdown()
+            kill_metrics_store()
