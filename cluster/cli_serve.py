@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     if args.address:
         ray.init(address=args.address)
     else:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(config, ray.cluster_resources()), name="tpserve", route_prefix="/")

@@ -729,8 +729,9 @@ def run_both(args: argparse.Namespace, requests: Sequence[BenchRequest], model_d
     config = ServeConfig(engine=engine, min_groups=args.groups, max_groups=args.groups,
                          served_model_name=model_dir.name)
     port = free_port()
-    ray.init(num_cpus=args.num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
-             log_to_driver=False)
+    # address="local": a fresh instance, never another Ray that happens to run on this host
+    ray.init(address="local", num_cpus=args.num_cpus, _node_ip_address="127.0.0.1",
+             include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         return {router: run_router(router, config, args, model_dir.name, port, vocab_size,

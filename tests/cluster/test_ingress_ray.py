@@ -111,8 +111,9 @@ def server(tiny_llama):
     # Replicas cannot import this test module: ship the classes defined here by value.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     port = free_port()
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
-             log_to_driver=False, _system_config={"metrics_report_interval_ms": 1000})
+    ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1",
+             include_dashboard=False, log_to_driver=False,
+             _system_config={"metrics_report_interval_ms": 1000})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = build_ingress(TinyGroup.bind(str(tiny_llama)), str(tiny_llama), MODEL,

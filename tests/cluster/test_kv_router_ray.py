@@ -271,7 +271,8 @@ class StandInGroup:
 
 @pytest.fixture(scope="module")
 def serve_app():
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False)
+    ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=2,
+             include_dashboard=False)
     try:
         serve.start(proxy_location="Disabled")
         handle = serve.run(StandInGroup.bind(), name="kv_router_test", route_prefix=None)

@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module")
 def client(tiny_llama):
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False)
+    ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1",
+             include_dashboard=False)
     try:
         yield serve_app(tiny_llama, free_port())
     finally:
