@@ -64,6 +64,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from workers.config import EngineConfig  # noqa: E402
+from workers.engine import StepRecord  # noqa: E402
 from workers.llm import LLM  # noqa: E402
 from workers.model_config import ModelConfig  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
@@ -195,23 +196,6 @@ def measure_matmul_gflops(model: ModelConfig) -> Tuple[float, float]:
 
 
 @dataclass(frozen=True)
-class StepShape:
-    """One executed step: per sequence (tokens cached before the step, new tokens)."""
-
-    seqs: Tuple[Tuple[int, int], ...]
-    num_logits: int
-    duration_s: float
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.seqs)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return all(n == 1 for _, n in self.seqs)
-
-
-@dataclass(frozen=True)
 class ModelCost:
     """Bytes and FLOPs of the model's parts (see the module docstring)."""
 
@@ -233,17 +217,17 @@ class ModelCost:
                    attn_flops_per_pair=4 * m.num_layers * m.num_heads * m.head_dim,
                    bytes_per_param=bytes_per_param)
 
-    def step_bytes(self, step: StepShape) -> float:
+    def step_bytes(self, step: StepRecord) -> float:
         weights = self.linear_params + (self.lm_head_params if step.num_logits else 0)
         kv_tokens = sum(c + n for c, n in step.seqs)
         return weights * self.bytes_per_param + kv_tokens * self.kv_bytes_per_token
 
-    def step_flops(self, step: StepShape) -> float:
+    def step_flops(self, step: StepRecord) -> float:
         pairs = sum(n * c + n * (n + 1) // 2 for c, n in step.seqs)
         return (2 * self.linear_params * step.num_tokens + 2 * self.lm_head_params
                 * step.num_logits + self.attn_flops_per_pair * pairs)
 
-    def step_limit_s(self, step: StepShape, read_gbps: float, matmul_gflops: float) -> float:
+    def step_limit_s(self, step: StepRecord, read_gbps: float, matmul_gflops: float) -> float:
         return max(self.step_bytes(step) / (read_gbps * 1e9),
                    self.step_flops(step) / (matmul_gflops * 1e9))
 
@@ -263,7 +247,7 @@ class RunResult:
         return sum(len(o) for o in self.outputs)
 
 
-def run_tpserve(llm: LLM, workload: Workload) -> Tuple[RunResult, List[StepShape]]:
+def run_tpserve(llm: LLM, workload: Workload) -> Tuple[RunResult, List[StepRecord]]:
     """Submit every request at once and step until all finish; KV waste sampled after each step."""
     engine = llm.engine
     first_record = len(engine.step_records)
@@ -281,10 +265,9 @@ def run_tpserve(llm: LLM, workload: Workload) -> Tuple[RunResult, List[StepShape
         usages.append(engine.kv_usage())
         sampling_s += time.perf_counter() - sample_started
     wall_s = time.perf_counter() - started - sampling_s
-    records = engine.step_records[first_record:]
-    steps = [StepShape(r.seqs, r.num_logits, r.duration_s) for r in records]
+    steps = engine.step_records[first_record:]
     result = RunResult("tpserve", wall_s, [outputs[i] for i in ids], _kv_waste(usages))
-    result.extra["step_s"] = sum(r.duration_s for r in records)
+    result.extra["step_s"] = sum(r.duration_s for r in steps)
     return result, steps
 
 
@@ -388,7 +371,7 @@ def _hf_cb_collect(manager, prompts: List[List[int]], max_tokens: List[int]) -> 
 class WorkloadReport:
     workload: Workload
     tpserve: RunResult
-    steps: List[StepShape]
+    steps: List[StepRecord]
     baselines: Dict[str, RunResult]
     step_limits_s: List[float] = field(default_factory=list)  # per step, at the machine's limit
 

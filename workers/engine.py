@@ -71,6 +71,10 @@ class StepRecord:
         """Tokens already in the cache that the step's sequences attend to."""
         return sum(cached for cached, _ in self.seqs)
 
+    @property
+    def is_decode_only(self) -> bool:
+        return all(new == 1 for _, new in self.seqs)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, launcher: RankLauncher = RankProcesses,

@@ -3,6 +3,7 @@ a Ray actor), driven with the official `openai` client; greedy outputs equal tra
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import pytest
@@ -45,14 +46,21 @@ def stop_serving():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def client(tiny_llama):
+@contextlib.contextmanager
+def local_serving(model_dir):
+    """The app on a fresh local Ray; yields an `openai` client; stops everything after."""
     ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1",
              include_dashboard=False)
     try:
-        yield serve_app(tiny_llama, free_port())
+        yield serve_app(model_dir, free_port())
     finally:
         stop_serving()
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama):
+    with local_serving(tiny_llama) as openai_client:
+        yield openai_client
 
 
 @pytest.fixture(scope="module")

@@ -14,19 +14,15 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 
-from test_serve_e2e import free_port, serve_app, stop_serving  # noqa: E402
+from test_serve_e2e import local_serving  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
 def client(tiny_llama):
-    ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1",
-             include_dashboard=False)
-    try:
-        yield serve_app(tiny_llama, free_port())
-    finally:
-        stop_serving()
+    with local_serving(tiny_llama) as openai_client:
+        yield openai_client
 
 
 def rank_pids():

@@ -115,7 +115,7 @@ def test_roofline_counts_bytes_and_flops(bench, tiny_llama):
     assert cost.linear_params == 2 * per_layer
     assert cost.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
     # One prefill of 3 new tokens on 2 cached ones, one decode on 5 cached: 2 logits.
-    step = bench.StepShape(seqs=((2, 3), (5, 1)), num_logits=2, duration_s=1.0)
+    step = bench.StepRecord(seqs=((2, 3), (5, 1)), num_logits=2, duration_s=1.0)
     pairs = (3 * 2 + 3 * 4 // 2) + (1 * 5 + 1)
     assert cost.step_flops(step) == (2 * cost.linear_params * 4 + 2 * 509 * 64 * 2
                                      + 4 * 2 * 4 * 16 * pairs)
