@@ -1,0 +1,437 @@
+"""The copy machinery of one rank: carries out tier ops off the compute path, in ticket order.
+
+Rank 0 issues ops (``kv.tier_ops``) in every step plan; each rank ``submit``s them to its
+``TransferEngine``, whose worker thread runs them first in, first out, and ``agree`` tells every
+rank which tickets are done on all ranks and the worst status any rank saw for each::
+
+    submit(ops) --queue--> worker: runs of one kind --> statuses of tickets, in order
+                                                              |
+    agree(cpu_group): all_reduce MIN(num_done) -> agreed; all_reduce MAX(statuses[committed:agreed])
+
+The worker keeps a checksum table per tier (slot -> tag, checksum of the bytes written there) and
+refuses bytes whose tag or checksum no longer match. A failed op leaves its destination slot
+without an entry (a failed restore leaves its device block unwritten), so later ops that name that
+slot fail too instead of moving garbage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from kv.checksum import block_checksum
+from kv.disk_index import read_snapshot, write_snapshot
+from kv.disk_store import DiskStore
+from kv.host_buffer import HostBuffer
+from kv.kv_cache import KVCache
+from kv.tier_ops import (OpStatus, ReadDisk, Restore, SaveIndex, Spill, TierOp, TierOpResults,
+                         WriteDisk)
+from parallel.latency import LatencyRecorder
+
+logger = logging.getLogger(__name__)
+
+INDEX_KIND = "disk-checksums"
+_OP_KINDS = (Spill, Restore, WriteDisk, ReadDisk, SaveIndex)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """What a slot holds: the block's tag and the checksum of its bytes."""
+
+    tag: int
+    checksum: int
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The ops of one ``submit`` call."""
+
+    ops: Sequence[TierOp]
+    submitted_at: float
+    compute_done: Optional[torch.cuda.Event]  # CUDA only: compute work issued before submit
+
+
+def split_runs(ops: Sequence[TierOp]) -> List[List[TierOp]]:
+    """Cut ``ops`` into runs of consecutive ops of one kind that may run as one group.
+
+    A run ends where an op's destination slot repeats, so the ops of a run commute (each kind
+    reads one tier and writes another) and a group may issue them in any order. O(n).
+    """
+    runs: List[List[TierOp]] = []
+    destinations: set = set()
+    for op in ops:
+        destination = _destination(op)
+        if runs and type(runs[-1][0]) is type(op) and destination not in destinations:
+            runs[-1].append(op)
+            destinations.add(destination)
+        else:
+            runs.append([op])
+            destinations = {destination}
+    return runs
+
+
+def _destination(op: TierOp) -> Optional[int]:
+    if isinstance(op, (Spill, ReadDisk)):
+        return op.host_slot
+    if isinstance(op, Restore):
+        return op.device_block
+    if isinstance(op, WriteDisk):
+        return op.disk_slot
+    return None  # SaveIndex: never grouped
+
+
+class TransferEngine:
+    """Carries out one rank's tier ops first in, first out, off the compute path.
+
+    ``submit`` returns at once; one worker thread runs the ops in ticket order (op ``i`` ever
+    submitted has ticket ``i``), consecutive ops of one kind as one group: one device
+    synchronization per group of copies, one coalesced disk call per group of disk ops. On CUDA
+    the copies run on their own stream after the compute work issued before ``submit``.
+    Neither the host buffer nor the disk store is owned: the caller closes them after ``close``.
+    """
+
+    def __init__(self, kv_cache: KVCache, host: HostBuffer, disk: Optional[DiskStore] = None,
+                 index_path: Optional[Path] = None, identity: str = "") -> None:
+        if host.block_nbytes != kv_cache.spec.bytes_per_block:
+            raise ValueError(f"host slots hold {host.block_nbytes} bytes, expected the KV "
+                             f"cache's {kv_cache.spec.bytes_per_block} bytes per block")
+        if disk is not None and disk.slot_bytes != host.slot_bytes:
+            raise ValueError(f"disk slots hold {disk.slot_bytes} bytes, expected the host "
+                             f"buffer's slot_bytes={host.slot_bytes}")
+        self._kv = kv_cache
+        self._host = host
+        self._disk = disk
+        self._index_path = index_path
+        self._identity = identity
+        self._is_cuda = kv_cache.data.is_cuda
+        # Default priority: a low-priority copy stream starved by compute can deadlock a step
+        # that waits for its restores.
+        self._copy_stream = torch.cuda.Stream(kv_cache.data.device) if self._is_cuda else None
+        # Owned by the worker thread once it starts.
+        self._host_entries: Dict[int, _Entry] = {}
+        self._disk_entries: Dict[int, _Entry] = (
+            self._load_index() if disk is not None and index_path is not None else {})
+
+        self.num_submitted = 0
+        self.num_committed = 0
+        self._done: List[OpStatus] = []  # statuses of tickets [num_committed, num_done)
+        self._num_spills_submitted = 0
+        self._num_spills_read = 0  # spills whose device side is done (CPU) or queued (CUDA)
+        self._spills_read_event: Optional[torch.cuda.Event] = None  # CUDA: after the last ones
+        self._cond = threading.Condition()
+        self.num_bytes_spilled = 0
+        self.num_bytes_restored = 0
+        self.num_bytes_disk_written = 0
+        self.num_bytes_disk_read = 0
+        self.transfer_latency = LatencyRecorder()  # seconds from submit to done, per batch
+
+        self._queue: "queue.Queue[Optional[_Batch]]" = queue.Queue()
+        self._is_closed = False
+        self._worker = threading.Thread(target=self._work, name="tpserve-kv-transfer",
+                                        daemon=True)
+        self._worker.start()
+
+    # --- caller side -------------------------------------------------------------------------
+
+    @property
+    def num_outstanding(self) -> int:
+        return self.num_submitted - self.num_committed
+
+    def submit(self, ops: Sequence[TierOp]) -> None:
+        """Queue ``ops`` (tickets ``num_submitted..``); returns at once."""
+        if self._is_closed:
+            raise RuntimeError("TransferEngine.submit after close")
+        for op in ops:
+            if not isinstance(op, _OP_KINDS):
+                raise TypeError(f"TransferEngine.submit: {op!r} is not a tier op, expected one of "
+                                f"{', '.join(kind.__name__ for kind in _OP_KINDS)}")
+        if not ops:
+            return
+        compute_done = None
+        if self._is_cuda:
+            compute_done = torch.cuda.Event()
+            compute_done.record(torch.cuda.current_stream(self._kv.data.device))
+        with self._cond:
+            self.num_submitted += len(ops)
+            self._num_spills_submitted += sum(1 for op in ops if isinstance(op, Spill))
+        self._queue.put(_Batch(list(ops), time.perf_counter(), compute_done))
+
+    def wait_device_reads(self) -> None:
+        """Return once the device blocks of every submitted spill have been read, so the caller's
+        next compute may overwrite them: on CPU the copies are done; on CUDA the compute stream
+        is made to wait for them (the host does not wait for the GPU)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._num_spills_read >= self._num_spills_submitted)
+            event = self._spills_read_event
+        if self._is_cuda and event is not None:
+            torch.cuda.current_stream(self._kv.data.device).wait_event(event)
+
+    def num_done(self) -> int:
+        """Length of the completed prefix of tickets (ops finish in ticket order)."""
+        with self._cond:
+            return self.num_committed + len(self._done)
+
+    def wait_all(self) -> None:
+        """Block until every submitted op is done."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.num_committed + len(self._done)
+                                >= self.num_submitted)
+
+    def agree(self, cpu_group: Optional[dist.ProcessGroup], wait: bool) -> TierOpResults:
+        """Commit the tickets done on every rank; their statuses are the worst across ranks.
+
+        A collective over ``cpu_group`` (two small all-reduces): every rank calls it at the same
+        points. With ``wait`` it first waits for all of this rank's ops.
+        """
+        if wait:
+            self.wait_all()
+        first = self.num_committed
+        agreed = self.num_done()
+        if cpu_group is not None:
+            count = torch.tensor([agreed], dtype=torch.int64)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN, group=cpu_group)
+            agreed = int(count.item())
+        with self._cond:
+            statuses = self._done[:agreed - first]
+            del self._done[:agreed - first]
+            self.num_committed = agreed
+        if cpu_group is not None and statuses:
+            worst = torch.tensor([int(s) for s in statuses], dtype=torch.uint8)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=cpu_group)
+            statuses = [OpStatus(int(s)) for s in worst.tolist()]
+        return TierOpResults(first_ticket=first, statuses=tuple(statuses))
+
+    def disk_tags(self) -> Dict[int, int]:
+        """Disk slot -> tag of the blocks this rank holds on disk, after the queued ops."""
+        self.wait_all()
+        return {slot: entry.tag for slot, entry in self._disk_entries.items()}
+
+    def close(self) -> None:
+        """Finish the queued ops and stop the worker; idempotent."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        self._queue.put(None)
+        self._worker.join()
+
+    # --- worker side -------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while (batch := self._queue.get()) is not None:
+            if batch.compute_done is not None:
+                self._copy_stream.wait_event(batch.compute_done)
+            for run in split_runs(batch.ops):
+                statuses = self._run_group(run)
+                with self._cond:
+                    self._done.extend(statuses)
+                    self._cond.notify_all()
+            self.transfer_latency.record(time.perf_counter() - batch.submitted_at)
+
+    def _run_group(self, ops: List[TierOp]) -> List[OpStatus]:
+        handlers: Dict[type, Callable[[List], List[OpStatus]]] = {
+            Spill: self._spill, Restore: self._restore, WriteDisk: self._write_disk,
+            ReadDisk: self._read_disk, SaveIndex: self._save_index,
+        }
+        try:
+            return handlers[type(ops[0])](ops)
+        except Exception:
+            logger.exception("tier ops %s failed", ops)
+            return [OpStatus.IO_ERROR] * len(ops)
+
+    def _spill(self, ops: List[Spill]) -> List[OpStatus]:
+        statuses = []
+        with self._on_copy_stream():
+            for op in ops:
+                self._host_entries.pop(op.host_slot, None)
+                statuses.append(_guarded(self._copy_out, op))
+        self._mark_spills_read(len(ops))
+        self._sync_copies()
+        for op, status in zip(ops, statuses):
+            if status is OpStatus.OK:
+                self._host_entries[op.host_slot] = _Entry(op.tag, self._host_checksum(op.host_slot))
+                self.num_bytes_spilled += self._host.block_nbytes
+        return statuses
+
+    def _restore(self, ops: List[Restore]) -> List[OpStatus]:
+        statuses = []
+        with self._on_copy_stream():
+            for op in ops:
+                # Hashing first also leaves the bytes in cache for the copy.
+                if not self._host_matches(op.host_slot, op.tag):
+                    statuses.append(OpStatus.CHECKSUM)
+                    continue
+                statuses.append(_guarded(self._copy_in, op))
+        self._sync_copies()
+        self.num_bytes_restored += self._host.block_nbytes * statuses.count(OpStatus.OK)
+        return statuses
+
+    def _write_disk(self, ops: List[WriteDisk]) -> List[OpStatus]:
+        disk = self._require_disk()
+        statuses = [self._check_disk_op(op) for op in ops]
+        for op in ops:
+            self._disk_entries.pop(op.disk_slot, None)
+        todo = []
+        for i, op in enumerate(ops):
+            entry = self._host_entries.get(op.host_slot)
+            if statuses[i] is OpStatus.OK and (entry is None or entry.tag != op.tag):
+                statuses[i] = OpStatus.CHECKSUM
+            elif statuses[i] is OpStatus.OK:
+                todo.append(i)
+        errors = disk.write([ops[i].disk_slot for i in todo],
+                            [self._host.view(ops[i].host_slot) for i in todo])
+        for i, error in zip(todo, errors):
+            op = ops[i]
+            if error is not None:
+                logger.error("writing host slot %d to disk slot %d failed: %s",
+                             op.host_slot, op.disk_slot, error)
+                statuses[i] = OpStatus.IO_ERROR
+                continue
+            self._disk_entries[op.disk_slot] = self._host_entries[op.host_slot]
+            self.num_bytes_disk_written += disk.slot_bytes
+        return statuses
+
+    def _read_disk(self, ops: List[ReadDisk]) -> List[OpStatus]:
+        disk = self._require_disk()
+        statuses = [self._check_disk_op(op) for op in ops]
+        for op in ops:
+            self._host_entries.pop(op.host_slot, None)
+        todo = []
+        for i, op in enumerate(ops):
+            entry = self._disk_entries.get(op.disk_slot)
+            if statuses[i] is OpStatus.OK and (entry is None or entry.tag != op.tag):
+                statuses[i] = OpStatus.CHECKSUM  # no need to read bytes that cannot match
+            elif statuses[i] is OpStatus.OK:
+                todo.append(i)
+        errors = disk.read([ops[i].disk_slot for i in todo],
+                           [self._host.view(ops[i].host_slot) for i in todo])
+        for i, error in zip(todo, errors):
+            statuses[i] = self._verify_read(ops[i], error)
+        return statuses
+
+    def _verify_read(self, op: ReadDisk, error: Optional[OSError]) -> OpStatus:
+        if error is not None:
+            logger.error("reading disk slot %d into host slot %d failed: %s",
+                         op.disk_slot, op.host_slot, error)
+            return OpStatus.IO_ERROR
+        self.num_bytes_disk_read += self._host.slot_bytes
+        entry = self._disk_entries[op.disk_slot]
+        if self._host_checksum(op.host_slot) != entry.checksum:
+            logger.warning("disk slot %d: checksum mismatch for tag %#x", op.disk_slot, op.tag)
+            return OpStatus.CHECKSUM
+        self._host_entries[op.host_slot] = entry
+        return OpStatus.OK
+
+    def _save_index(self, ops: List[SaveIndex]) -> List[OpStatus]:
+        disk = self._require_disk()
+        if self._index_path is None:
+            raise RuntimeError("SaveIndex on a TransferEngine without an index_path")
+        disk.sync()
+        records = [[slot, entry.tag, entry.checksum]
+                   for slot, entry in sorted(self._disk_entries.items())]
+        write_snapshot(self._index_path, INDEX_KIND, self._identity, records)
+        return [OpStatus.OK] * len(ops)
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _copy_out(self, op: Spill) -> None:
+        self._host_block(op.host_slot).copy_(self._device_block(op.device_block),
+                                             non_blocking=self._is_cuda)
+
+    def _copy_in(self, op: Restore) -> None:
+        self._device_block(op.device_block).copy_(self._host_block(op.host_slot),
+                                                  non_blocking=self._is_cuda)
+
+    def _device_block(self, block: int) -> torch.Tensor:
+        spec = self._kv.spec
+        if not 0 <= block < spec.num_blocks:
+            raise IndexError(f"device block {block} out of range, expected 0 <= block < "
+                             f"{spec.num_blocks}")
+        return self._kv.data[:, :, block * spec.block_size:(block + 1) * spec.block_size]
+
+    def _host_block(self, slot: int) -> torch.Tensor:
+        """Host slot ``slot`` typed like a device block: ``[L, 2, block_size, H, D]``."""
+        spec = self._kv.spec
+        return self._host.slot(slot).view(spec.dtype).view(
+            spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+
+    def _host_checksum(self, slot: int) -> int:
+        return block_checksum(self._host.view(slot)[:self._host.block_nbytes])
+
+    def _host_matches(self, slot: int, tag: int) -> bool:
+        entry = self._host_entries.get(slot)
+        return (entry is not None and entry.tag == tag
+                and self._host_checksum(slot) == entry.checksum)
+
+    def _check_disk_op(self, op: TierOp) -> OpStatus:
+        """OK if the op's slots exist; else IO_ERROR (logged) without failing its group."""
+        if 0 <= op.host_slot < self._host.num_slots and 0 <= op.disk_slot < self._disk.num_slots:
+            return OpStatus.OK
+        logger.error("%s: slot out of range (%d host slots, %d disk slots)",
+                     op, self._host.num_slots, self._disk.num_slots)
+        return OpStatus.IO_ERROR
+
+    def _require_disk(self) -> DiskStore:
+        if self._disk is None:
+            raise RuntimeError("disk tier op on a TransferEngine without a disk store")
+        return self._disk
+
+    def _on_copy_stream(self) -> contextlib.AbstractContextManager:
+        if self._copy_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._copy_stream)
+
+    def _mark_spills_read(self, num_ops: int) -> None:
+        """Release ``wait_device_reads`` for these spills (checksums still to come)."""
+        event = None
+        if self._copy_stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        with self._cond:
+            self._num_spills_read += num_ops
+            if event is not None:
+                self._spills_read_event = event
+            self._cond.notify_all()
+
+    def _sync_copies(self) -> None:
+        """Wait for the copies issued on the copy stream (CPU copies are already done)."""
+        if self._copy_stream is not None:
+            copies_done = torch.cuda.Event()
+            copies_done.record(self._copy_stream)
+            copies_done.synchronize()
+
+    def _load_index(self) -> Dict[int, _Entry]:
+        records = read_snapshot(self._index_path, INDEX_KIND, self._identity) or []
+        entries: Dict[int, _Entry] = {}
+        for record in records:
+            if not _is_index_record(record, self._disk.num_slots):
+                logger.warning("%s: record %r is not [slot, tag, checksum] with 0 <= slot < %d; "
+                               "ignored", self._index_path, record, self._disk.num_slots)
+                continue
+            slot, tag, checksum = record
+            entries[slot] = _Entry(tag, checksum)
+        return entries
+
+
+def _is_index_record(record: object, num_slots: int) -> bool:
+    return (isinstance(record, list) and len(record) == 3
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in record)
+            and 0 <= record[0] < num_slots)
+
+
+def _guarded(copy: Callable[[TierOp], None], op: TierOp) -> OpStatus:
+    """Run ``copy(op)``; an unexpected exception fails only this op (IO_ERROR, logged)."""
+    try:
+        copy(op)
+    except Exception:
+        logger.exception("tier op %s failed", op)
+        return OpStatus.IO_ERROR
+    return OpStatus.OK

@@ -1,0 +1,235 @@
+"""One rank's tier copies: round trips, refused corruption, FIFO order, disk index, TP agreement."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kv.disk_index import write_snapshot
+from kv.disk_store import DiskStore
+from kv.host_buffer import HostBuffer
+from kv.kv_cache import KVCache, KVCacheSpec
+from kv.tier_ops import OpStatus, ReadDisk, Restore, SaveIndex, Spill, WriteDisk
+from kv.transfer import INDEX_KIND, TransferEngine, split_runs
+from workers.multiproc import free_tcp_init_method
+
+OK, CHECKSUM, IO_ERROR = OpStatus.OK, OpStatus.CHECKSUM, OpStatus.IO_ERROR
+# 2 layers x K/V x 4 tokens x 2 heads x 8 dims x 4 bytes = 1 KiB per block, 4 KiB slots.
+SPEC = KVCacheSpec(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8,
+                   dtype=torch.float32)
+
+
+def random_cache(seed: int = 0) -> KVCache:
+    kv = KVCache(SPEC, torch.device("cpu"))
+    kv.data.copy_(torch.randn(kv.data.shape, generator=torch.Generator().manual_seed(seed)))
+    return kv
+
+
+def block(kv: KVCache, index: int) -> torch.Tensor:
+    bs = SPEC.block_size
+    return kv.data[:, :, index * bs:(index + 1) * bs]  # [L, 2, bs, H, D]
+
+
+@pytest.fixture
+def tiers(tmp_path):
+    """(kv, host, disk, make_engine); engines and stores are closed after the test."""
+    kv = random_cache()
+    host = HostBuffer(8, SPEC.bytes_per_block, pin=False)
+    disk = DiskStore(tmp_path / "slots.bin", 16, host.slot_bytes)
+    engines = []
+
+    def make_engine(identity: str = "model-a/rank0") -> TransferEngine:
+        engines.append(TransferEngine(kv, host, disk, tmp_path / "index.json", identity))
+        return engines[-1]
+
+    yield kv, host, disk, make_engine
+    for engine in engines:
+        engine.close()
+    disk.close()
+    host.close()
+
+
+def run(engine: TransferEngine, ops) -> tuple:
+    engine.submit(ops)
+    results = engine.agree(None, wait=True)
+    assert results.end_ticket == engine.num_committed == engine.num_submitted
+    return results.statuses
+
+
+def test_host_buffer_slots_are_page_aligned_and_validated():
+    host = HostBuffer(3, 5000, pin=False)
+    assert host.slot_bytes == 8192 and host.data.shape == (3, 8192)
+    assert host.data.data_ptr() % 4096 == 0
+    assert host.slot(2).shape == (5000,) and len(host.view(2)) == 8192
+    with pytest.raises(IndexError, match="host slot 3"):
+        host.slot(3)
+    with pytest.raises(ValueError, match="num_slots=0"):
+        HostBuffer(0, 5000, pin=False)
+
+
+def test_split_runs_groups_one_kind_until_a_destination_repeats():
+    ops = [Spill(0, 0, 1), Spill(1, 1, 2), WriteDisk(0, 0, 1), WriteDisk(1, 1, 2),
+           WriteDisk(0, 1, 1), SaveIndex(), SaveIndex()]
+    assert [len(run) for run in split_runs(ops)] == [2, 2, 1, 1, 1]
+
+
+def test_spill_then_restore_to_other_blocks_round_trips(tiers):
+    kv, host, _, make_engine = tiers
+    engine = make_engine()
+    originals = [block(kv, b).clone() for b in range(3)]
+    assert run(engine, [Spill(b, b, tag=100 + b) for b in range(3)]) == (OK,) * 3
+    kv.data.zero_()
+    statuses = run(engine, [Restore(b, b + 4, tag=100 + b) for b in range(3)])
+    assert statuses == (OK,) * 3
+    for b, original in enumerate(originals):
+        assert torch.equal(block(kv, b + 4), original)
+    assert engine.num_outstanding == 0 and engine.num_done() == 6
+    assert engine.num_bytes_spilled == engine.num_bytes_restored == 3 * SPEC.bytes_per_block
+    assert engine.transfer_latency.count == 2
+
+
+def test_agree_reports_each_ticket_once(tiers):
+    _, _, _, make_engine = tiers
+    engine = make_engine()
+    engine.submit([Spill(0, 0, 1)])
+    first = engine.agree(None, wait=True)
+    engine.submit([Spill(1, 1, 2), Restore(0, 2, 1)])
+    second = engine.agree(None, wait=True)
+    assert (first.first_ticket, first.statuses) == (0, (OK,))
+    assert (second.first_ticket, second.statuses) == (1, (OK, OK))
+    assert engine.agree(None, wait=True).statuses == ()
+
+
+def test_corrupt_host_bytes_or_wrong_tag_refuse_restore(tiers):
+    kv, host, _, make_engine = tiers
+    engine = make_engine()
+    assert run(engine, [Spill(0, 0, tag=7), Spill(1, 1, tag=8)]) == (OK, OK)
+    host.slot(0)[5] ^= 0xFF
+    untouched = [block(kv, b).clone() for b in (4, 5)]
+    statuses = run(engine, [Restore(0, 4, tag=7), Restore(1, 5, tag=9), Restore(1, 6, tag=8)])
+    assert statuses == (CHECKSUM, CHECKSUM, OK)
+    assert torch.equal(block(kv, 4), untouched[0]) and torch.equal(block(kv, 5), untouched[1])
+    assert torch.equal(block(kv, 6), block(kv, 1))
+
+
+def test_disk_round_trip_coalesces_consecutive_slots(tiers):
+    kv, host, disk, make_engine = tiers
+    engine = make_engine()
+    originals = [block(kv, b).clone() for b in range(4)]
+    calls_before = disk.num_io_calls
+    engine.submit([Spill(b, b, tag=b + 1) for b in range(4)]
+                  + [WriteDisk(b, 10 + b, tag=b + 1) for b in range(4)])
+    engine.wait_all()
+    assert disk.num_io_calls - calls_before < 4  # one pwritev for slots 10..13
+    host.data.fill_(0xAB)
+    kv.data.zero_()
+    statuses = run(engine, [ReadDisk(10 + b, 4 + b, tag=b + 1) for b in range(4)]
+                   + [Restore(4 + b, b, tag=b + 1) for b in range(4)])
+    assert statuses == (OK,) * 16
+    for b, original in enumerate(originals):
+        assert torch.equal(block(kv, b), original)
+    assert engine.num_bytes_disk_written == engine.num_bytes_disk_read == 4 * host.slot_bytes
+
+
+def test_flipped_disk_byte_fails_read_disk(tiers):
+    _, host, disk, make_engine = tiers
+    engine = make_engine()
+    assert run(engine, [Spill(0, 0, tag=5), WriteDisk(0, 3, tag=5), ReadDisk(3, 1, tag=5)]) == (
+        OK, OK, OK)
+    with open(disk.path, "r+b") as file:
+        file.seek(3 * host.slot_bytes + 100)
+        byte = file.read(1)[0]
+        file.seek(3 * host.slot_bytes + 100)
+        file.write(bytes([byte ^ 0x01]))
+    statuses = run(engine, [ReadDisk(3, 1, tag=5), Restore(1, 2, tag=5), ReadDisk(3, 2, tag=6)])
+    assert statuses == (CHECKSUM, CHECKSUM, CHECKSUM)
+
+
+def test_ops_run_in_ticket_order_across_slot_reuse(tiers):
+    kv, _, _, make_engine = tiers
+    engine = make_engine()
+    b0, b1 = block(kv, 0).clone(), block(kv, 1).clone()
+    statuses = run(engine, [Spill(0, 0, tag=1), WriteDisk(0, 0, tag=1), Spill(1, 0, tag=2),
+                            ReadDisk(0, 1, tag=1), Restore(1, 2, tag=1), Restore(0, 3, tag=2)])
+    assert statuses == (OK,) * 6
+    assert torch.equal(block(kv, 2), b0) and torch.equal(block(kv, 3), b1)
+
+
+def test_saved_index_survives_a_restart_of_the_same_identity(tiers):
+    _, _, _, make_engine = tiers
+    engine = make_engine()
+    big_tag = 2**64 - 1
+    assert run(engine, [Spill(0, 0, tag=big_tag), Spill(1, 1, tag=3), WriteDisk(0, 4, big_tag),
+                        WriteDisk(1, 5, 3), SaveIndex()]) == (OK,) * 5
+    engine.close()
+    restarted = make_engine()
+    assert restarted.disk_tags() == {4: big_tag, 5: 3}
+    assert run(restarted, [ReadDisk(4, 2, big_tag), Restore(2, 6, big_tag)]) == (OK, OK)
+    assert make_engine(identity="model-b/rank0").disk_tags() == {}
+
+
+def test_index_records_outside_the_disk_are_ignored(tiers, tmp_path, caplog):
+    write_snapshot(tmp_path / "index.json", INDEX_KIND, "model-a/rank0",
+                   [[2, 11, 12], [16, 13, 14], ["x"]])
+    _, _, _, make_engine = tiers
+    assert make_engine().disk_tags() == {2: 11}
+    assert "[16, 13, 14]" in caplog.text and "['x']" in caplog.text
+
+
+def test_failing_op_does_not_stop_later_ops(tiers):
+    kv, _, _, make_engine = tiers
+    engine = make_engine()
+    statuses = run(engine, [Spill(0, 0, tag=1), Restore(0, 99, tag=1), Spill(99, 1, tag=2),
+                            WriteDisk(0, 99, tag=1), WriteDisk(0, 1, tag=1), Restore(0, 5, tag=1)])
+    assert statuses == (OK, IO_ERROR, IO_ERROR, IO_ERROR, OK, OK)
+    assert torch.equal(block(kv, 5), block(kv, 0))
+    assert engine.disk_tags() == {1: 1}
+
+
+def test_disk_op_without_disk_is_an_io_error():
+    kv = random_cache()
+    engine = TransferEngine(kv, HostBuffer(2, SPEC.bytes_per_block, pin=False))
+    try:
+        assert run(engine, [Spill(0, 0, 1), WriteDisk(0, 0, 1), SaveIndex()]) == (
+            OK, IO_ERROR, IO_ERROR)
+        with pytest.raises(TypeError, match="not a tier op"):
+            engine.submit(["spill"])
+    finally:
+        engine.close()
+        engine.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        engine.submit([Spill(0, 0, 1)])
+
+
+def _agree_rank(rank: int, init_method: str, results) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+    cpu_group = dist.new_group([0, 1], backend="gloo")
+    kv = random_cache(seed=rank)
+    host = HostBuffer(4, SPEC.bytes_per_block, pin=False)
+    engine = TransferEngine(kv, host)
+    engine.submit([Spill(0, 0, tag=1), Spill(1, 1, tag=2)])
+    engine.wait_all()
+    if rank == 1:
+        host.slot(1)[0] ^= 0xFF
+    engine.submit([Restore(0, 2, tag=1), Restore(1, 3, tag=2)])
+    agreed = engine.agree(cpu_group, wait=True)
+    restored_locally = torch.equal(block(kv, 3), block(kv, 1))
+    engine.close()
+    results.put((rank, agreed.first_ticket, agreed.statuses, engine.num_committed,
+                 restored_locally))
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_ranks_agree_on_the_worst_status():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_method = free_tcp_init_method()
+    procs = [ctx.Process(target=_agree_rank, args=(r, init_method, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = sorted(results.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(30)
+    expected = (0, (OK, OK, OK, CHECKSUM), 4)
+    assert rows == [(0, *expected, True), (1, *expected, False)]
