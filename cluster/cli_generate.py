@@ -29,6 +29,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    tiers = parser.add_argument_group("KV tiers (per rank)")
+    tiers.add_argument("--host-kv-gb", type=float, default=0.0,
+                       help="host-memory KV tier in GiB (0: none)")
+    tiers.add_argument("--host-kv-blocks", type=int, default=None,
+                       help="host-memory KV tier in blocks (instead of --host-kv-gb)")
+    tiers.add_argument("--disk-kv-dir", default=None, help="directory of the disk KV tier")
+    tiers.add_argument("--disk-kv-gb", type=float, default=0.0, help="disk KV tier in GiB")
+    tiers.add_argument("--disk-kv-blocks", type=int, default=None,
+                       help="disk KV tier in blocks (instead of --disk-kv-gb)")
+    tiers.add_argument("--kv-eviction", default="lru", choices=("lru", "hotness"),
+                       help="eviction policy of every tier")
+    tiers.add_argument("--kv-hotness-decay", type=float, default=0.95,
+                       help="hotness: decay of the per-request moving average of accesses")
+    tiers.add_argument("--kv-pin-threshold", type=float, default=0.9,
+                       help="hotness: blocks above this stay on the device")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -39,6 +54,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
         seed=args.seed if args.seed is not None else 0,
+        host_kv_gb=args.host_kv_gb, host_kv_blocks=args.host_kv_blocks,
+        disk_kv_dir=args.disk_kv_dir, disk_kv_gb=args.disk_kv_gb,
+        disk_kv_blocks=args.disk_kv_blocks, kv_eviction=args.kv_eviction,
+        kv_hotness_decay=args.kv_hotness_decay, kv_pin_threshold=args.kv_pin_threshold,
     )
 
 

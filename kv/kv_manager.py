@@ -9,10 +9,12 @@ The manager keys everything by an opaque request key; it knows nothing about req
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Hashable, List, Sequence
+from typing import Dict, Hashable, List, Optional, Sequence
 
 from kv.block_pool import Block, BlockPool
+from kv.eviction import EvictionPolicy, HotnessTracker
 from kv.prefix_hash import BlockHash
+from kv.tiers import KVTiers
 from kv.types import BlockId
 
 
@@ -50,11 +52,17 @@ class KVUsage:
 class KVCacheManager:
     """Allocates, caches and frees the blocks of requests. O(blocks touched) per call."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True,
+                 policy: Optional[EvictionPolicy] = None,
+                 tracker: Optional[HotnessTracker] = None) -> None:
+        """``policy`` picks which cached free block is reused first (LRU by default);
+        ``tracker`` is the hotness clock shared with the lower tiers, when hotness is in use."""
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_prefix_cache)
+        self.pool = BlockPool(num_blocks, enable_prefix_cache, policy)
+        self.tracker = tracker
+        self.tiers: Optional[KVTiers] = None  # host/disk tiers below the pool, when configured
         self._tables: Dict[Hashable, List[Block]] = {}
         self._num_cached: Dict[Hashable, int] = {}  # leading blocks already registered
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
@@ -79,10 +87,18 @@ class KVCacheManager:
                 blocks.append(block)
         return CachedPrefix(blocks, len(blocks) * self.block_size)
 
-    def count_prefix_query(self, num_tokens: int, prefix: CachedPrefix) -> None:
-        """Count an admitted request's lookup: ``num_tokens`` queried, the prefix's tokens hit."""
+    def count_prefix_query(self, num_tokens: int, num_hit_tokens: int,
+                           block_hashes: Sequence[BlockHash]) -> None:
+        """Count an admitted request's lookup (``num_hit_tokens`` found in any tier) and tell the
+        eviction policies that this request uses the blocks ``block_hashes``."""
         self.num_prefix_queries += num_tokens
-        self.num_prefix_hits += prefix.num_tokens
+        self.num_prefix_hits += num_hit_tokens
+        if self.tracker is not None:
+            self.tracker.tick()
+        for block_hash in block_hashes:
+            self.pool.policy.record_access(block_hash)
+            if self.tiers is not None:
+                self.tiers.record_access(block_hash)
 
     def num_blocks_needed(self, key: Hashable, num_tokens: int, prefix: CachedPrefix) -> int:
         """Blocks to allocate so ``key`` holds ``num_tokens`` tokens, given its cached prefix."""
@@ -137,7 +153,12 @@ class KVCacheManager:
         table = self._tables.pop(key, None)
         self._num_cached.pop(key, None)
         if table:
-            self.pool.free(list(reversed(table)))
+            released = self.pool.free(list(reversed(table)))
+            if self.tiers is not None:
+                self.tiers.write_through(released)
+
+    def blocks(self, key: Hashable) -> List[Block]:
+        return list(self._tables.get(key, ()))
 
     def usage(self, filled_slots: Dict[Hashable, int]) -> KVUsage:
         """Pool snapshot; ``filled_slots`` gives the tokens each request has written."""

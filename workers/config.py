@@ -20,6 +20,20 @@ class EngineConfig:
     dtype: str = "auto"  # auto: fp32 on CPU, the checkpoint's dtype on CUDA
     device: str = "auto"  # auto: CUDA when available, else CPU
     seed: int = 0  # for requests without a seed of their own
+    # KV tiers below the device pool (per rank): host memory, then local disk.
+    host_kv_gb: float = 0.0  # host tier size; 0 and host_kv_blocks None: no host tier
+    host_kv_blocks: Optional[int] = None  # host tier in blocks (wins over host_kv_gb)
+    disk_kv_dir: Optional[str] = None  # disk tier directory (needs a host tier)
+    disk_kv_gb: float = 0.0  # disk tier size
+    disk_kv_blocks: Optional[int] = None  # disk tier in blocks (wins over disk_kv_gb)
+    kv_eviction: str = "lru"  # lru or hotness, at every tier
+    kv_hotness_decay: float = 0.95  # EMA decay per request of the hotness policy
+    kv_pin_threshold: float = 0.9  # hotness above which a block stays on the device
+    kv_snapshot_interval_s: float = 300.0  # how often the disk tier's index is saved
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.host_kv_blocks is not None or self.host_kv_gb > 0
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -36,3 +50,35 @@ class EngineConfig:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        for name in ("host_kv_blocks", "disk_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        for name in ("host_kv_gb", "disk_kv_gb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative, "
+                                 f"got {getattr(self, name)}")
+        if self.kv_eviction not in ("lru", "hotness"):
+            raise ValueError(f"--kv-eviction must be lru or hotness, got {self.kv_eviction!r}")
+        if not 0 < self.kv_hotness_decay < 1:
+            raise ValueError(f"--kv-hotness-decay must be in (0, 1), got {self.kv_hotness_decay}")
+        if not 0 < self.kv_pin_threshold <= 1:
+            raise ValueError(f"--kv-pin-threshold must be in (0, 1], got {self.kv_pin_threshold}")
+        if self.kv_snapshot_interval_s <= 0:
+            raise ValueError("--kv-snapshot-interval-s must be positive, "
+                             f"got {self.kv_snapshot_interval_s}")
+        if self.has_host_tier and not self.enable_prefix_cache:
+            raise ValueError("KV tiers hold prefix-cached blocks: drop --no-prefix-cache or the "
+                             "--host-kv-* options")
+        has_disk_size = self.disk_kv_blocks is not None or self.disk_kv_gb > 0
+        if self.disk_kv_dir is not None:
+            if not self.has_host_tier:
+                raise ValueError("--disk-kv-dir needs a host tier (--host-kv-gb or "
+                                 "--host-kv-blocks): disk blocks come back through host memory")
+            if not has_disk_size:
+                raise ValueError("--disk-kv-dir needs a size: --disk-kv-gb or --disk-kv-blocks")
+        elif has_disk_size:
+            raise ValueError("--disk-kv-gb/--disk-kv-blocks need --disk-kv-dir")

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from kv.kv_cache import KVCacheSpec
-from kv.kv_manager import KVCacheManager, KVUsage
+from kv.kv_manager import KVUsage
 from parallel.tp_group import TPGroupConfig
 from workers.config import EngineConfig
 from workers.default_model import resolve_model_path
@@ -26,12 +26,15 @@ from workers.detokenizer import IncrementalDetokenizer
 from workers.loader import checkpoint_files
 from workers.model_config import ModelConfig, load_model_config
 from workers.multiproc import RankLauncher, RankProcesses, free_tcp_init_method
-from workers.rank import RankConfig, build_rank, resolve_dtype
+from kv.tier_ops import TierOpResults
+from workers.rank import RankConfig, build_rank, execute_plan, resolve_dtype
 from workers.request import FinishReason, Request, RequestId
 from workers.sampler import SampledToken, sample
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from workers.step_plan import StepPlan, broadcast_plan
+from workers.tier_setup import (RankTierConfig, build_kv_manager, model_identity, save_token_index,
+                                tier_sizes)
 from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -95,7 +98,15 @@ class LLMEngine:
         self.rank = build_rank(rank_configs[0])
         if self._children is not None:
             self._children.wait_ready()
-        kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_cache)
+        tier_config = rank_configs[0].tiers
+        self._tier_identity = tier_config.identity if tier_config else ""
+        kv = build_kv_manager(
+            config, self.num_kv_blocks,
+            tier_config.num_host_blocks if tier_config else 0,
+            tier_config.num_disk_blocks if tier_config else 0,
+            tier_config.identity if tier_config else "",
+            self.rank.tiers.recovered_disk_tags if self.rank.tiers else {})
+        self._last_snapshot = time.monotonic()
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), kv)
         self._requests: Dict[RequestId, Request] = {}
@@ -122,17 +133,32 @@ class LLMEngine:
         num_blocks = cfg.num_kv_blocks or self._default_num_blocks(model, dtype)
         init = free_tcp_init_method(self._init_host) if cfg.tp_size > 1 else None
         threads = None if use_cuda else max(1, (torch.get_num_threads()) // cfg.tp_size)
+        dtype_name = str(dtype).replace("torch.", "")
+        tiers = self._rank_tier_config(dtype, dtype_name)
         return [
             RankConfig(str(self.model_dir), TPGroupConfig(rank, cfg.tp_size, init),
-                       f"cuda:{rank}" if use_cuda else "cpu", str(dtype).replace("torch.", ""),
-                       num_blocks, cfg.block_size, self.max_model_len, threads)
+                       f"cuda:{rank}" if use_cuda else "cpu", dtype_name,
+                       num_blocks, cfg.block_size, self.max_model_len, threads, tiers)
             for rank in range(cfg.tp_size)
         ]
 
-    def _default_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
+    def _rank_tier_config(self, dtype: torch.dtype, dtype_name: str) -> Optional[RankTierConfig]:
+        cfg = self.config
+        if not cfg.has_host_tier:
+            return None
+        num_host, num_disk = tier_sizes(cfg, self._block_spec(dtype).bytes_per_block)
+        identity = model_identity(self.model_dir, dtype_name, cfg.block_size, cfg.tp_size)
+        return RankTierConfig(num_host, cfg.disk_kv_dir, num_disk, identity)
+
+    def _block_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        """One block of one rank's KV pool."""
+        model = self.model_config
         kv_heads = max(1, model.num_kv_heads // self.config.tp_size)
-        spec = KVCacheSpec(model.num_layers, 1, self.config.block_size, kv_heads,
+        return KVCacheSpec(model.num_layers, 1, self.config.block_size, kv_heads,
                            model.head_dim, dtype)
+
+    def _default_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
+        spec = self._block_spec(dtype)
         by_memory = int(self.config.kv_cache_gb * (1 << 30)) // spec.bytes_per_block
         per_seq = -(-self.max_model_len // self.config.block_size)
         return max(1, min(by_memory, per_seq * self.config.max_num_seqs, _MAX_KV_BLOCKS))
@@ -183,16 +209,20 @@ class LLMEngine:
             self._aborted.append(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        """Requests in flight, or tier transfers not yet committed (steps finish them)."""
+        tiers = self.scheduler.kv.tiers
+        return (self.scheduler.has_unfinished() or bool(self._aborted)
+                or (tiers is not None and tiers.has_outstanding))
 
     # ----- stepping -----
 
     def step(self) -> List[RequestOutput]:
         """Schedule, run and sample one step; outputs of every request that changed."""
         started = time.perf_counter()
+        self._maybe_snapshot()
         scheduled = self.scheduler.schedule()
-        logits = self._execute(scheduled.plan)
-        self.scheduler.update(scheduled)
+        logits, tier_results = self._execute(scheduled.plan)
+        self.scheduler.update(scheduled, tier_results)
         outputs = [self._finish_output(r) for r in self._aborted + list(scheduled.finished)]
         self._aborted = []
         sampled_requests = [r for r, n in scheduled.scheduled
@@ -206,11 +236,35 @@ class LLMEngine:
             self._record(scheduled, time.perf_counter() - started)
         return outputs
 
-    def _execute(self, plan: StepPlan) -> Optional[torch.Tensor]:
-        if not plan.seqs and not plan.freed_ids:
-            return None
+    def _execute(self, plan: StepPlan) -> Tuple[Optional[torch.Tensor], Optional[TierOpResults]]:
+        tiers = self.scheduler.kv.tiers
+        if not (plan.seqs or plan.freed_ids or plan.tier_ops
+                or (tiers is not None and tiers.has_outstanding)):
+            return None, None
         broadcast_plan(plan, self.rank.tp.cpu_group)
-        return self.rank.runner.execute(plan)
+        return execute_plan(self.rank, plan)
+
+    def _maybe_snapshot(self, force: bool = False) -> None:
+        """Every ``kv_snapshot_interval_s`` (and at shutdown) each rank saves its disk index."""
+        tiers = self.scheduler.kv.tiers
+        if tiers is None or tiers.disk is None:
+            return
+        if not force and time.monotonic() - self._last_snapshot < self.config.kv_snapshot_interval_s:
+            return
+        self._last_snapshot = time.monotonic()
+        tiers.save_index()
+        assert self.config.disk_kv_dir is not None
+        save_token_index(self.config.disk_kv_dir, self._tier_identity, tiers)
+
+    def _drain_transfers(self) -> None:
+        """Run every queued transfer to completion and commit it (a plan with nothing to compute)."""
+        tiers = self.scheduler.kv.tiers
+        while tiers is not None and tiers.has_outstanding:
+            plan = StepPlan(tier_ops=tiers.take_ops(), wait_transfers=True)
+            broadcast_plan(plan, self.rank.tp.cpu_group)
+            _, results = execute_plan(self.rank, plan)
+            if results is not None:
+                tiers.commit(results)
 
     def _append(self, request: Request, token: SampledToken) -> RequestOutput:
         request.append_token(token)
@@ -272,12 +326,18 @@ class LLMEngine:
         if self._is_shut_down:
             return
         self._is_shut_down = True
-        if self._children is not None:
-            try:
-                broadcast_plan(StepPlan(shutdown=True), self.rank.tp.cpu_group)
-            finally:
-                self._children.join()
-                self.rank.tp.destroy()
+        try:
+            self._drain_transfers()
+            self._maybe_snapshot(force=True)
+            self._drain_transfers()
+        finally:
+            if self._children is not None:
+                try:
+                    broadcast_plan(StepPlan(shutdown=True), self.rank.tp.cpu_group)
+                finally:
+                    self._children.join()
+                    self.rank.tp.destroy()
+            self.rank.close()
 
     def __enter__(self) -> "LLMEngine":
         return self

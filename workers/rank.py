@@ -11,7 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -21,7 +21,9 @@ from workers.loader import load_weights
 from workers.model_config import ModelConfig, load_model_config
 from workers.model_runner import ModelRunner
 from workers.models.registry import model_class
-from workers.step_plan import broadcast_plan
+from kv.tier_ops import TierOpResults
+from workers.step_plan import StepPlan, broadcast_plan
+from workers.tier_setup import RankTierConfig, RankTiers, build_rank_tiers
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ class RankConfig:
     block_size: int
     max_model_len: int
     num_threads: Optional[int] = None  # CPU threads for this rank's torch ops
+    tiers: Optional[RankTierConfig] = None  # host/disk KV tiers
 
 
 @dataclass
@@ -45,6 +48,13 @@ class Rank:
     tp: TPGroup
     config: ModelConfig
     runner: ModelRunner
+    tiers: Optional[RankTiers] = None
+
+    def close(self) -> None:
+        """Finish queued transfers, release the tiers' memory and files."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
@@ -70,16 +80,41 @@ def build_rank(config: RankConfig) -> Rank:
     num_kv_heads = model.model.layers[0].self_attn.qkv_proj.num_local_kv_heads
     spec = KVCacheSpec(model_config.num_layers, config.num_kv_blocks, config.block_size,
                        num_kv_heads, model_config.head_dim, dtype)
-    runner = ModelRunner(model, KVCache(spec, device), device)
+    kv_cache = KVCache(spec, device)
+    runner = ModelRunner(model, kv_cache, device)
+    tiers = None
+    if config.tiers is not None:
+        tiers = build_rank_tiers(config.tiers, kv_cache, tp.rank, tp.cpu_group)
     logger.info("rank %d/%d ready on %s (pid %d)", tp.rank, tp.world_size, device, os.getpid())
-    return Rank(tp, model_config, runner)
+    return Rank(tp, model_config, runner, tiers)
+
+
+def execute_plan(rank: Rank, plan: StepPlan
+                 ) -> Tuple[Optional[torch.Tensor], Optional[TierOpResults]]:
+    """Run one plan on this rank: queue its transfers, let their device reads finish (the step may
+    reuse those blocks), run the model, then agree with the other ranks on finished transfers.
+
+    Every rank reaches the agreement at the same plans (outstanding counts follow the plans), so
+    its collectives match. Returns the logits (rank 0) and the agreed transfer outcomes, if any."""
+    transfer = rank.tiers.transfer if rank.tiers is not None else None
+    if transfer is not None and plan.tier_ops:
+        transfer.submit(plan.tier_ops)
+        transfer.wait_device_reads()
+    logits = rank.runner.execute(plan)
+    results = None
+    if transfer is not None and transfer.num_outstanding:
+        results = transfer.agree(rank.tp.cpu_group, wait=plan.wait_transfers)
+    return logits, results
 
 
 def serve_plans(rank: Rank) -> None:
     """Loop of ranks 1..N-1: receive a plan, run it, until a shutdown plan arrives."""
-    while True:
-        plan = broadcast_plan(None, rank.tp.cpu_group)
-        if plan.shutdown:
-            break
-        rank.runner.execute(plan)
+    try:
+        while True:
+            plan = broadcast_plan(None, rank.tp.cpu_group)
+            if plan.shutdown:
+                break
+            execute_plan(rank, plan)
+    finally:
+        rank.close()
     logger.info("rank %d stopping", rank.tp.rank)

@@ -16,8 +16,19 @@ from workers.sampling_params import SamplingParams
 RequestId = NewType("RequestId", str)
 
 
+@dataclass(frozen=True)
+class SwappedTail:
+    """A preempted request's partly filled last block, kept in a private host slot."""
+
+    host_slot: int
+    block_index: int  # its place in the block table
+    num_tokens: int  # tokens of KV it holds
+    tag: int  # checksum tag: the hash of its tokens chained on the previous block
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # admitted, waiting for its prefix to come back from host or disk
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -47,6 +58,7 @@ class Request:
     is_known_to_ranks: bool = False  # ranks mirror its block table
     num_blocks_sent: int = 0  # blocks of its table the ranks already have
     num_preemptions: int = 0
+    swapped_tail: Optional[SwappedTail] = None
     first_token_time: Optional[float] = None
 
     def __post_init__(self) -> None:

@@ -5,10 +5,14 @@ KV cache; a step gives each scheduled request ``num_tokens - num_computed_tokens
 decode, a chunk of the prompt for a prefill), all under one token budget:
 
 1. Running requests, oldest first. If the pool cannot hold a request's next tokens, the newest
-   running request is preempted (its blocks freed; it goes back to the head of the queue and will
-   recompute, reusing whatever of its prefix stays cached) until it can.
+   running request is preempted (its blocks freed; it goes back to the head of the queue) until it
+   can. With a host tier its full blocks are written through to host memory and its partly filled
+   last block swapped to a private host slot, so it resumes by copying them back; without one it
+   recomputes whatever of its prefix no longer is cached.
 2. Waiting requests, first come first served, while the budget, ``max_num_seqs`` and the pool
-   allow; each starts after the longest prefix found in the prefix cache.
+   allow; each starts after the longest prefix found in the prefix cache. A prefix that continues
+   on host or disk is restored first: the request waits in ``loading`` (the others keep running)
+   until every rank has its blocks, then runs from the first block that did not come back intact.
 
 Guarantees: never a crash or a deadlock on a full pool (a request that cannot fit even alone is
 finished with ``length``); a request sampled only when its last token was computed.
@@ -23,8 +27,10 @@ from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Tuple
 
 from kv.kv_manager import CachedPrefix, KVCacheManager, KVUsage
-from kv.prefix_hash import extend_block_hashes
-from workers.request import FinishReason, Request, RequestStatus
+from kv.prefix_hash import extend_block_hashes, hash_block
+from kv.tier_ops import TierOpResults
+from kv.tiers import LowerHit, RestoreChain
+from workers.request import FinishReason, Request, RequestStatus, SwappedTail
 from workers.step_plan import KnownSeqStep, NewSeqStep, SeqStep, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -42,6 +48,14 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class _Loading:
+    chain: RestoreChain
+    num_device_blocks: int  # leading blocks found on the device
+    num_lower_blocks: int  # full blocks being restored from host or disk
+    tail: Optional[SwappedTail]  # and the swapped-out partial block, if it comes back too
+
+
+@dataclass(frozen=True)
 class ScheduledStep:
     plan: StepPlan
     scheduled: Tuple[Tuple[Request, int], ...]  # (request, tokens computed this step)
@@ -54,6 +68,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
+        self.loading: Dict[Request, _Loading] = {}
         self._freed_seq_ids: List[int] = []
         self.num_preemptions = 0
 
@@ -61,17 +76,22 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
-        """Remove a request (done, stopped or aborted) and free its blocks."""
+        """Remove a request (done, stopped or aborted) and free its blocks.
+
+        A loading request keeps its blocks until its restores commit (ranks may still write them)."""
         if request.is_finished:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+            self._release(request)
+        elif request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
-        self._release(request)
+            self._release(request)
+            if request.swapped_tail is not None:
+                self._drop_tail(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
@@ -92,7 +112,10 @@ class Scheduler:
         # After a preemption the pool is tight: admitting now would only thrash.
         if self.num_preemptions == preemptions_before:
             self._admit(budget, steps, scheduled, finished)
-        plan = StepPlan(tuple(steps), tuple(self._freed_seq_ids))
+        tier_ops = self.kv.tiers.take_ops() if self.kv.tiers is not None else ()
+        # Nothing to compute: the ranks wait for the transfers instead of polling them.
+        plan = StepPlan(tuple(steps), tuple(self._freed_seq_ids), tier_ops=tier_ops,
+                        wait_transfers=not steps)
         self._freed_seq_ids = []
         return ScheduledStep(plan, tuple(scheduled), tuple(finished))
 
@@ -102,6 +125,8 @@ class Scheduler:
         target = request.num_computed_tokens + num_new
         while not self.kv.can_allocate(request.request_id, target, empty):
             victim = self.running[-1]
+            if victim is request and len(self.running) == 1 and self.loading:
+                return False  # loading requests hold blocks; once they run they can be preempted
             if victim is request and len(self.running) == 1:
                 logger.warning("request %s needs %d tokens of KV, more than the pool holds; "
                                "finishing it", request.request_id, target)
@@ -116,6 +141,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._swap_out_tail(request)
         self._release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -123,22 +149,46 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _swap_out_tail(self, request: Request) -> None:
+        """Keep a preempted request's partly filled last block in a private host slot."""
+        tiers, bs = self.kv.tiers, self.kv.block_size
+        num_partial = request.num_computed_tokens % bs
+        if tiers is None or not num_partial or not tiers.can_swap_out():
+            return
+        index = request.num_computed_tokens // bs
+        parent = request.block_hashes[index - 1] if index else None
+        tag = hash_block(parent, request.all_token_ids[index * bs:request.num_computed_tokens])
+        slot = tiers.swap_out(self.kv.blocks(request.request_id)[index], tag)
+        request.swapped_tail = SwappedTail(slot, index, num_partial, tag)
+
     def _release(self, request: Request) -> None:
         self.kv.free(request.request_id)
         if request.is_known_to_ranks:
             self._freed_seq_ids.append(request.seq_id)
             request.is_known_to_ranks = False
 
+    def _drop_tail(self, request: Request) -> None:
+        assert request.swapped_tail is not None and self.kv.tiers is not None
+        self.kv.tiers.release_private(request.swapped_tail.host_slot)
+        request.swapped_tail = None
+
     def _admit(self, budget: int, steps: List[SeqStep], scheduled: List[Tuple[Request, int]],
                finished: List[Request]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0
+               and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             request = self.waiting[0]
             extend_block_hashes(request.block_hashes, request.all_token_ids, self.kv.block_size)
             prefix = self.kv.find_cached_prefix(request.all_token_ids, request.block_hashes)
-            num_new = min(request.num_tokens - prefix.num_tokens, budget)
-            target = prefix.num_tokens + num_new
+            hits, tail = self._find_lower(request, prefix)
+            if hits or tail is not None:
+                num_new = 0  # restored first, computed once loaded
+                target = (prefix.num_tokens + len(hits) * self.kv.block_size
+                          + (tail.num_tokens if tail is not None else 0))
+            else:
+                num_new = min(request.num_tokens - prefix.num_tokens, budget)
+                target = prefix.num_tokens + num_new
             if not self.kv.can_allocate(request.request_id, target, prefix):
-                if not self.running:  # the whole pool is free and still too small
+                if not self.running and not self.loading:  # the whole pool is free, too small
                     logger.warning("request %s needs %d tokens of KV, more than the whole pool; "
                                    "finishing it", request.request_id, target)
                     self.finish(request, FinishReason.LENGTH)
@@ -146,8 +196,14 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            self.kv.count_prefix_query(request.num_tokens, prefix)
+            num_hit = target if num_new == 0 else prefix.num_tokens
+            self.kv.count_prefix_query(request.num_tokens, num_hit, request.block_hashes)
             self.kv.allocate(request.request_id, target, prefix)
+            if num_new == 0:
+                self._start_loading(request, prefix, hits, tail)
+                continue
+            if request.swapped_tail is not None:
+                self._drop_tail(request)  # its prefix did not survive: it recomputes
             request.num_computed_tokens = prefix.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -168,8 +224,66 @@ class Scheduler:
         request.num_blocks_sent = len(block_ids)
         return KnownSeqStep(request.seq_id, tokens, new_ids, needs_logits)
 
-    def update(self, step: ScheduledStep) -> None:
-        """Record that the plan ran: advance computed counts and cache newly full blocks."""
+    def _find_lower(self, request: Request, prefix: CachedPrefix
+                    ) -> Tuple[List[LowerHit], Optional[SwappedTail]]:
+        """The prefix's continuation on host or disk, and the swapped tail if it reaches it."""
+        tiers = self.kv.tiers
+        if tiers is None or not self.kv.enable_prefix_cache:
+            return [], None
+        start = len(prefix.blocks)
+        end = (request.num_tokens - 1) // self.kv.block_size  # leave a token to compute
+        hits = tiers.find_lower(request.all_token_ids, request.block_hashes, start, end)
+        if not tiers.host.can_take():  # every host slot private: disk hits cannot be read back
+            hits = hits[:next((i for i, h in enumerate(hits) if h.tier == "disk"), len(hits))]
+        tail = request.swapped_tail
+        if tail is None or start + len(hits) != tail.block_index:
+            tail = None
+        return hits, tail
+
+    def _start_loading(self, request: Request, prefix: CachedPrefix, hits: List[LowerHit],
+                       tail: Optional[SwappedTail]) -> None:
+        assert self.kv.tiers is not None
+        self.kv.tiers.count_lookup(
+            (request.num_tokens - 1) // self.kv.block_size - len(prefix.blocks), hits)
+        blocks = self.kv.blocks(request.request_id)
+        start = len(prefix.blocks)
+        swapped = None
+        if tail is not None:
+            swapped = (tail.host_slot, tail.tag, blocks[start + len(hits)])
+        chain = self.kv.tiers.restore(hits, blocks[start:start + len(hits)], swapped)
+        if request.swapped_tail is not None:
+            self._drop_tail(request)  # its copy back is queued: the slot may be reused behind it
+        request.status = RequestStatus.LOADING
+        self.loading[request] = _Loading(chain, start, len(hits), tail)
+
+    def _finish_loading(self) -> None:
+        """Requests whose restores every rank has finished start running (or are released)."""
+        assert self.kv.tiers is not None
+        bs = self.kv.block_size
+        for request, state in list(self.loading.items()):
+            if not state.chain.is_done(self.kv.tiers.num_committed):
+                continue
+            del self.loading[request]
+            if request.is_finished:  # aborted while loading
+                self.kv.free(request.request_id)
+                continue
+            num_ok = state.chain.num_ok
+            computed = (state.num_device_blocks + min(num_ok, state.num_lower_blocks)) * bs
+            if state.tail is not None and num_ok == len(state.chain.hashes):
+                computed += state.tail.num_tokens
+            request.num_computed_tokens = computed
+            self.kv.cache_full_blocks(request.request_id, request.all_token_ids,
+                                      request.block_hashes, computed)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+    def update(self, step: ScheduledStep, tier_results: Optional[TierOpResults] = None) -> None:
+        """Record that the plan ran: advance computed counts and cache newly full blocks; apply
+        the tier transfers the ranks agreed have finished."""
+        if tier_results is not None:
+            assert self.kv.tiers is not None
+            self.kv.tiers.commit(tier_results)
+            self._finish_loading()
         for request, num_new in step.scheduled:
             if request.status != RequestStatus.RUNNING:
                 continue

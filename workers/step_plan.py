@@ -14,6 +14,8 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from kv.tier_ops import TierOp
+
 
 @dataclass(frozen=True)
 class NewSeqStep:
@@ -37,10 +39,16 @@ SeqStep = Union[NewSeqStep, KnownSeqStep]
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One engine step. ``freed_ids`` are dropped from the mirrors before ``seqs`` run."""
+    """One engine step. ``freed_ids`` are dropped from the mirrors before ``seqs`` run.
+
+    ``tier_ops`` are queued on every rank's transfer engine before the model runs; the device side
+    of their spills finishes first (the step may reuse those blocks). ``wait_transfers``: the ranks
+    wait for every queued transfer before agreeing on what finished (a step with nothing to run)."""
 
     seqs: Tuple[SeqStep, ...] = ()
     freed_ids: Tuple[int, ...] = ()
+    tier_ops: Tuple[TierOp, ...] = ()
+    wait_transfers: bool = False
     shutdown: bool = False
 
     @property

@@ -1,20 +1,46 @@
-"""Block pool: O(1) free list, prefix-cache hits, LRU reuse; invariants under random operations."""
+"""Block pool: empty blocks first, prefix-cache hits, policy-ordered reuse of cached blocks;
+invariants under random operations."""
 
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kv.block_pool import BlockPool
+from kv.eviction import HotnessPolicy, HotnessTracker
 from kv.prefix_hash import extend_block_hashes, hash_block
 
 
-def test_allocate_takes_least_recently_freed_first():
-    pool = BlockPool(4)
-    a, b, c, d = pool.allocate(4)
-    pool.free([c])
-    pool.free([a])
-    pool.free([d])
-    assert [blk.block_id for blk in pool.allocate(3)] == [c.block_id, a.block_id, d.block_id]
+def _cache_and_free(pool, block, tokens):
+    h = hash_block(None, tokens)
+    pool.cache(block, h, tokens)
+    pool.free([block])
+    return h
+
+
+def test_empty_blocks_go_before_cached_ones_and_cached_ones_in_lru_order():
+    pool = BlockPool(5)
+    a, b, c, d, e = pool.allocate(5)
+    _cache_and_free(pool, c, [3])
+    _cache_and_free(pool, a, [1])
+    pool.free([e])  # empty: reused first although freed last
+    _cache_and_free(pool, d, [4])
+    taken = [blk.block_id for blk in pool.allocate(4)]
+    assert taken == [e.block_id, c.block_id, a.block_id, d.block_id]
+    assert pool.num_evicted == 3
+
+
+def test_hotness_policy_keeps_the_block_many_requests_used():
+    tracker = HotnessTracker(0.9)
+    pool = BlockPool(3, policy=HotnessPolicy(tracker, pin_threshold=None))
+    hot, cold, _ = pool.allocate(3)
+    h_hot = _cache_and_free(pool, hot, [1])
+    _cache_and_free(pool, cold, [2])
+    for _ in range(5):  # five requests use the hot block; the cold one was used once, earlier
+        tracker.tick()
+        pool.policy.record_access(h_hot)
+    (taken,) = pool.allocate(1)
+    assert taken is cold
+    assert pool.lookup(h_hot, [1]) is hot
 
 
 def test_freed_cached_block_is_found_until_reused():
@@ -68,7 +94,8 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.pool = BlockPool(8)
         self.held = []  # references we hold, one entry per reference
-        self.free_order = [b.block_id for b in self.pool.blocks]  # model of the LRU order
+        self.empty = {b.block_id for b in self.pool.blocks}  # free blocks without a hash
+        self.free_order = []  # model of the LRU order of free cached blocks
         self.cached = {}  # hash -> (block, tokens)
 
     @rule(n=st.integers(1, 4))
@@ -76,8 +103,12 @@ class PoolMachine(RuleBasedStateMachine):
         if not self.pool.can_allocate(n):
             return
         blocks = self.pool.allocate(n)
-        assert [b.block_id for b in blocks] == self.free_order[:n]  # LRU first
-        self.free_order = self.free_order[n:]
+        num_empty = min(n, len(self.empty))
+        assert {b.block_id for b in blocks[:num_empty]} <= self.empty  # empty blocks first
+        self.empty -= {b.block_id for b in blocks[:num_empty]}
+        evicted = [b.block_id for b in blocks[num_empty:]]
+        assert evicted == self.free_order[:len(evicted)]  # then cached ones, LRU first
+        self.free_order = self.free_order[len(evicted):]
         for b in blocks:
             self.cached = {h: v for h, v in self.cached.items() if v[0] is not b}
         self.held.extend(blocks)
@@ -86,9 +117,13 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100))
     def free_one(self, i):
         block = self.held.pop(i % len(self.held))
-        self.pool.free([block])
+        released = self.pool.free([block])
+        assert released == ([block] if block.ref_count == 0 else [])
         if block.ref_count == 0:
-            self.free_order.append(block.block_id)
+            if block.block_hash is None:
+                self.empty.add(block.block_id)
+            else:
+                self.free_order.append(block.block_id)
 
     @precondition(lambda self: self.held)
     @rule(i=st.integers(0, 100), tokens=st.lists(st.integers(0, 3), min_size=2, max_size=2))
@@ -112,13 +147,16 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def free_xor_used(self):
-        free_ids = [b.block_id for b in self.pool.free_queue]
-        assert free_ids == self.free_order
+        free_ids = self.empty | set(self.free_order)
+        assert len(free_ids) == len(self.empty) + len(self.free_order)
         for block in self.pool.blocks:
             assert block.ref_count >= 0
             assert (block.block_id in free_ids) == (block.ref_count == 0)
             assert block.ref_count == sum(1 for b in self.held if b is block)
+            if block.block_id in self.free_order:
+                assert block.block_hash in self.pool.policy
         assert self.pool.num_free == len(free_ids)
+        assert len(self.pool.policy) == len(self.free_order)
 
 
 TestPoolMachine = PoolMachine.TestCase

@@ -1,0 +1,313 @@
+"""Rank 0's KV hierarchy below the device pool: what to spill, restore and evict, and when it is safe.
+
+::
+
+    device pool --Spill--> host tier --WriteDisk--> disk tier
+         ^                  |    ^                    |
+         +----Restore-------+    +------ReadDisk------+
+
+- Write-through on release: when a request lets go of a full, hashed device block that no other
+  request holds, the block is copied to the host tier (unless already there, or hot enough to stay
+  pinned on device), so evicting it from the device later costs nothing. Every rank finishes the
+  device side of the step's spills before that step's model runs, so a block released in one step
+  can be reused in the next without holding it.
+- The host tier makes room by evicting its policy's victim; a victim not yet on disk is written
+  there first (inclusive hierarchy: a block read back from disk keeps its disk copy).
+- A prefix that misses on the device and hits below is restored: disk blocks are read into host
+  slots, host blocks copied into fresh device blocks. The request waits (``RestoreChain``) while
+  the others run; it uses the restored blocks up to the first one whose checksum failed.
+- Failures: a checksum mismatch or an I/O error drops the block (and, for a restore, the blocks
+  after it in the chain) from every lower tier, is counted, and the tokens are recomputed.
+
+Every op gets a ticket; ``commit`` applies the outcomes the ranks agreed on (``TierOpResults``).
+Nothing here touches bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from kv.block_pool import Block, BlockPool
+from kv.prefix_hash import BlockHash
+from kv.tier_index import TierEntry, TierIndex
+from kv.tier_ops import (OpStatus, ReadDisk, Restore, SaveIndex, Spill, TierOp, TierOpResults,
+                         WriteDisk)
+
+
+@dataclass(frozen=True)
+class LowerHit:
+    """A block found below the device: its hash, tokens and the tier that holds it."""
+
+    block_hash: BlockHash
+    token_ids: Tuple[int, ...]
+    tier: str  # "host" or "disk"
+
+
+@dataclass
+class RestoreChain:
+    """Blocks restored for one request, in prefix order; done when every ticket has committed."""
+
+    hashes: List[Optional[BlockHash]]  # None for a swapped-out partial block
+    last_ticket: int
+    statuses: List[OpStatus] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.statuses = [OpStatus.OK] * len(self.hashes)
+
+    def is_done(self, num_committed: int) -> bool:
+        return self.last_ticket < num_committed
+
+    @property
+    def num_ok(self) -> int:
+        """Leading blocks restored intact: the request may attend to these and no more."""
+        for index, status in enumerate(self.statuses):
+            if status != OpStatus.OK:
+                return index
+        return len(self.statuses)
+
+
+@dataclass(frozen=True)
+class _SpillDone:
+    block_hash: Optional[BlockHash]  # None: a private swap-out
+    host_slot: int
+
+
+@dataclass(frozen=True)
+class _DiskWriteDone:
+    block_hash: BlockHash
+    disk_slot: int
+
+
+@dataclass(frozen=True)
+class _ChainStep:
+    chain: RestoreChain
+    index: int
+    host_slot: int
+    is_disk_read: bool
+
+
+_Record = Union[_SpillDone, _DiskWriteDone, _ChainStep, None]
+
+
+@dataclass
+class TierStats:
+    num_spilled_blocks: int = 0  # device -> host
+    num_restored_blocks: int = 0  # host -> device
+    num_disk_written_blocks: int = 0
+    num_disk_read_blocks: int = 0
+    num_checksum_failures: int = 0
+    num_io_errors: int = 0
+    num_swapped_out: int = 0  # preempted requests' partial blocks kept on host
+
+
+class KVTiers:
+    """Host (and optionally disk) tiers under one device ``BlockPool``; rank 0 only."""
+
+    def __init__(self, pool: BlockPool, block_size: int, host: TierIndex,
+                 disk: Optional[TierIndex] = None) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.host = host
+        self.disk = disk
+        self.stats = TierStats()
+        self._ops: List[TierOp] = []
+        self._records: Dict[int, _Record] = {}
+        self.num_issued = 0  # tickets handed out so far
+        self.num_committed = 0
+
+    # ----- lookups -----
+
+    def find_lower(self, token_ids: Sequence[int], block_hashes: Sequence[BlockHash],
+                   start: int, end: int) -> List[LowerHit]:
+        """Blocks ``start..end-1`` of a prefix found on host or disk, stopping at the first miss."""
+        hits: List[LowerHit] = []
+        bs = self.block_size
+        for index in range(start, end):
+            tokens = tuple(token_ids[index * bs:(index + 1) * bs])
+            block_hash = block_hashes[index]
+            if self.host.lookup(block_hash, tokens) is not None:
+                hits.append(LowerHit(block_hash, tokens, "host"))
+            elif self.disk is not None and self.disk.lookup(block_hash, tokens) is not None:
+                hits.append(LowerHit(block_hash, tokens, "disk"))
+            else:
+                break
+        return hits
+
+    def count_lookup(self, num_queried: int, hits: Sequence[LowerHit]) -> None:
+        """Count an admitted request's lookup below the device (blocks)."""
+        num_host = sum(1 for hit in hits if hit.tier == "host")
+        self.host.num_queries += num_queried
+        self.host.num_hits += num_host
+        if self.disk is not None:
+            self.disk.num_queries += num_queried - num_host
+            self.disk.num_hits += len(hits) - num_host
+
+    def record_access(self, block_hash: BlockHash) -> None:
+        self.host.policy.record_access(block_hash)
+        if self.disk is not None:
+            self.disk.policy.record_access(block_hash)
+
+    # ----- issuing ops -----
+
+    def write_through(self, blocks: Sequence[Block]) -> None:
+        """Copy newly released cached device blocks to the host tier (see the module docstring)."""
+        for block in blocks:
+            block_hash = block.block_hash
+            if (block_hash is None or block.ref_count != 0 or block_hash in self.host.entries
+                    or self.pool.policy.is_pinned(block_hash)):
+                continue
+            slot = self._take_host_slot()
+            self.host.insert(block_hash, block.token_ids, slot)
+            self._issue(Spill(block.block_id, slot, block_hash), _SpillDone(block_hash, slot))
+            self.stats.num_spilled_blocks += 1
+
+    def can_swap_out(self) -> bool:
+        return self.host.can_take()
+
+    def swap_out(self, block: Block, tag: int) -> int:
+        """Copy a private (partly filled) device block to a private host slot; returns the slot."""
+        slot, evicted = self.host.take_private()
+        self._write_back(evicted)
+        self._issue(Spill(block.block_id, slot, tag), _SpillDone(None, slot))
+        self.stats.num_swapped_out += 1
+        return slot
+
+    def release_private(self, slot: int) -> None:
+        self.host.release_private(slot)
+
+    def restore(self, hits: Sequence[LowerHit], device_blocks: Sequence[Block],
+                swapped: Optional[Tuple[int, int, Block]] = None) -> RestoreChain:
+        """Queue the copies that fill ``device_blocks`` with ``hits`` (and a swapped-out partial
+        block: (host slot, tag, device block)); the request waits for the returned chain.
+
+        Host hits are queued first: reading a disk hit takes a host slot, which may evict one of
+        them, and an eviction queued behind their copies is harmless (first in, first out)."""
+        hashes: List[Optional[BlockHash]] = [hit.block_hash for hit in hits]
+        if swapped is not None:
+            hashes.append(None)
+        chain = RestoreChain(hashes, last_ticket=-1)
+        # Disk slots are read before any eviction below can give one of them to another block
+        # (if it does, the read finds the other block's tag and fails its checksum: safe).
+        disk_slots = {hit.block_hash: self.disk.entries[hit.block_hash].slot
+                      for hit in hits if hit.tier == "disk" and self.disk is not None}
+        order = sorted(range(len(hits)), key=lambda i: hits[i].tier != "host")
+        for index in order:
+            hit, block = hits[index], device_blocks[index]
+            slot = self._host_slot_for(hit, disk_slots.get(hit.block_hash), chain, index)
+            self.host.policy.record_access(hit.block_hash)
+            self._issue(Restore(slot, block.block_id, hit.block_hash),
+                        _ChainStep(chain, index, slot, False))
+            self.stats.num_restored_blocks += 1
+        if swapped is not None:
+            slot, tag, block = swapped
+            self._issue(Restore(slot, block.block_id, tag), _ChainStep(chain, len(hits), slot, False))
+        chain.last_ticket = self.num_issued - 1
+        return chain
+
+    def save_index(self) -> None:
+        """Ask every rank to snapshot its disk checksums once the writes before it are done."""
+        self._issue(SaveIndex(), None)
+
+    def take_ops(self) -> Tuple[TierOp, ...]:
+        ops, self._ops = tuple(self._ops), []
+        return ops
+
+    @property
+    def has_outstanding(self) -> bool:
+        return self.num_issued > self.num_committed
+
+    # ----- committing -----
+
+    def commit(self, results: TierOpResults) -> None:
+        """Apply the ranks' agreed outcomes of tickets ``results.first_ticket..end_ticket-1``."""
+        assert results.first_ticket == self.num_committed, "tickets committed out of order"
+        finished_chains: List[RestoreChain] = []
+        for offset, status in enumerate(results.statuses):
+            record = self._records.pop(results.first_ticket + offset)
+            # A block read from disk that fails there fails its copy to the device as well:
+            # count it once.
+            if not (isinstance(record, _ChainStep)
+                    and record.chain.statuses[record.index] != OpStatus.OK):
+                self._count_failure(status)
+            if isinstance(record, _SpillDone):
+                self._commit_spill(record, status)
+            elif isinstance(record, _DiskWriteDone):
+                if status != OpStatus.OK and self.disk is not None:
+                    self.disk.discard_slot(record.block_hash, record.disk_slot)
+            elif isinstance(record, _ChainStep):
+                self._commit_chain_step(record, status)
+                if record.chain.last_ticket == results.first_ticket + offset:
+                    finished_chains.append(record.chain)
+        self.num_committed = results.end_ticket
+        for chain in finished_chains:
+            self._drop_after_failure(chain)
+
+    def _count_failure(self, status: OpStatus) -> None:
+        if status == OpStatus.CHECKSUM:
+            self.stats.num_checksum_failures += 1
+        elif status == OpStatus.IO_ERROR:
+            self.stats.num_io_errors += 1
+
+    def _commit_spill(self, record: _SpillDone, status: OpStatus) -> None:
+        if status != OpStatus.OK and record.block_hash is not None:
+            self.host.discard_slot(record.block_hash, record.host_slot)
+
+    def _commit_chain_step(self, record: _ChainStep, status: OpStatus) -> None:
+        chain = record.chain
+        chain.statuses[record.index] = max(chain.statuses[record.index], status)
+        block_hash = chain.hashes[record.index]
+        if status != OpStatus.OK and block_hash is not None:
+            self.host.discard_slot(block_hash, record.host_slot)
+
+    def _drop_after_failure(self, chain: RestoreChain) -> None:
+        """The failed block and its descendants in the chain leave every lower tier."""
+        for block_hash in chain.hashes[chain.num_ok:]:
+            if block_hash is None:
+                continue
+            if block_hash in self.host.entries:
+                self.host.remove(block_hash)
+            if self.disk is not None and block_hash in self.disk.entries:
+                self.disk.remove(block_hash)
+
+    # ----- helpers -----
+
+    def _issue(self, op: TierOp, record: _Record) -> None:
+        self._ops.append(op)
+        self._records[self.num_issued] = record
+        self.num_issued += 1
+
+    def _take_host_slot(self) -> int:
+        slot, evicted = self.host.take_slot()
+        self._write_back(evicted)
+        return slot
+
+    def _write_back(self, evicted: Optional[Tuple[BlockHash, TierEntry]]) -> None:
+        """A block evicted from the host goes to disk unless it is there already."""
+        if evicted is None or self.disk is None:
+            return
+        block_hash, entry = evicted
+        if block_hash in self.disk.entries:
+            self.disk.policy.record_access(block_hash)
+            return
+        disk_slot, _ = self.disk.take_slot()
+        self.disk.insert(block_hash, entry.token_ids, disk_slot)
+        self._issue(WriteDisk(entry.slot, disk_slot, block_hash),
+                    _DiskWriteDone(block_hash, disk_slot))
+        self.stats.num_disk_written_blocks += 1
+
+    def _host_slot_for(self, hit: LowerHit, disk_slot: Optional[int], chain: RestoreChain,
+                       index: int) -> int:
+        """The host slot holding ``hit``, reading it from disk into a host slot first if needed."""
+        if hit.tier == "host":
+            return self.host.entries[hit.block_hash].slot
+        assert self.disk is not None and disk_slot is not None
+        self.disk.policy.record_access(hit.block_hash)
+        slot = self._take_host_slot()
+        if hit.block_hash in self.host.entries:  # read back earlier in this chain? never twice
+            self.host.remove(hit.block_hash)
+        self.host.insert(hit.block_hash, hit.token_ids, slot)
+        self._issue(ReadDisk(disk_slot, slot, hit.block_hash),
+                    _ChainStep(chain, index, slot, True))
+        self.stats.num_disk_read_blocks += 1
+        return slot

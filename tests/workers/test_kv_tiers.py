@@ -1,0 +1,211 @@
+"""KV tiers through the real engine: blocks spill to host and disk and come back, and greedy output
+still equals transformers token for token; corrupted bytes are caught; a restarted engine reuses
+the disk tier.
+
+The device pool (16 blocks of 4 tokens) holds one request at a time, so three prompt families with
+24-token shared prefixes evict each other from the device: their second requests find the prefix
+only on host (or, with a 6-block host tier, on disk).
+"""
+
+import random
+import shutil
+
+import pytest
+
+from tiny_models import build_checkpoint, hf_greedy
+from workers.config import EngineConfig
+from workers.llm import LLM
+from workers.sampling_params import SamplingParams
+
+MAX_NEW = 12
+BLOCK = 4
+
+
+def make_prompts():
+    rng = random.Random(11)
+    tokens = lambda n: [rng.randrange(3, 509) for _ in range(n)]  # noqa: E731
+    prefixes = [tokens(24) for _ in range(3)]
+    first = [p + tokens(5) for p in prefixes]
+    second = [p + tokens(7) for p in prefixes]
+    return first, second
+
+
+FIRST, SECOND = make_prompts()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("tiers") / "llama", "llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def references(model_dir):
+    return hf_greedy(model_dir, FIRST + SECOND, MAX_NEW)
+
+
+def config(model_dir, **overrides):
+    base = dict(model=str(model_dir), block_size=BLOCK, num_kv_blocks=16, max_num_seqs=1,
+                host_kv_blocks=64)
+    base.update(overrides)
+    return EngineConfig(**base)
+
+
+def generate(llm, prompts):
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    return [out.output_token_ids for out in llm.generate(prompts, params)]
+
+
+def tier_stats(llm):
+    return llm.engine.scheduler.kv.tiers
+
+
+def test_host_tier_restores_evicted_prefixes(model_dir, references):
+    with LLM(config(model_dir)) as llm:
+        assert generate(llm, FIRST) == references[:3]
+        assert generate(llm, SECOND) == references[3:]
+        tiers = tier_stats(llm)
+        assert tiers.stats.num_spilled_blocks > 0
+        assert tiers.host.num_hits >= 2 * 6  # at least two families came back from host
+        assert tiers.stats.num_restored_blocks >= 12
+        assert tiers.stats.num_checksum_failures == 0
+        assert llm.engine.scheduler.kv.pool.num_evicted > 0
+
+
+def test_without_tiers_the_same_workload_recomputes(model_dir, references):
+    """The baseline of the test above: the device alone cannot keep the prefixes."""
+    cfg = config(model_dir, host_kv_blocks=None)
+    with LLM(cfg) as llm:
+        assert generate(llm, FIRST + SECOND) == references
+        kv = llm.engine.scheduler.kv
+        assert kv.tiers is None and kv.num_prefix_hits < 2 * 24
+
+
+@pytest.mark.parametrize("eviction", ["lru", "hotness"])
+def test_disk_tier_restores_through_host(model_dir, references, tmp_path, eviction):
+    cfg = config(model_dir, host_kv_blocks=6, disk_kv_dir=str(tmp_path / "kv"),
+                 disk_kv_blocks=64, kv_eviction=eviction)
+    with LLM(cfg) as llm:
+        assert generate(llm, FIRST) == references[:3]
+        assert generate(llm, SECOND) == references[3:]
+        tiers = tier_stats(llm)
+        assert tiers.stats.num_disk_written_blocks > 0
+        assert tiers.disk.num_hits > 0 and tiers.stats.num_disk_read_blocks > 0
+        assert tiers.stats.num_checksum_failures == 0 and tiers.stats.num_io_errors == 0
+
+
+def test_preemption_swaps_to_host_and_back(model_dir):
+    prompts = [FIRST[0][:20], FIRST[1][:18], FIRST[2][:22]]
+    reference = hf_greedy(model_dir, prompts, 24)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    with LLM(config(model_dir, num_kv_blocks=20, max_num_seqs=3)) as llm:
+        outs = [o.output_token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert tier_stats(llm).stats.num_swapped_out > 0
+    assert outs == reference
+
+
+def _flip_first_byte(tensor_or_path, offset=0):
+    if isinstance(tensor_or_path, str):
+        with open(tensor_or_path, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    else:
+        tensor_or_path[offset] ^= 0xFF
+
+
+def test_corrupted_host_block_is_caught_and_recomputed(model_dir, references):
+    with LLM(config(model_dir)) as llm:
+        assert generate(llm, FIRST) == references[:3]
+        tiers = tier_stats(llm)
+        kv = llm.engine.scheduler.kv
+        request_hashes = _prefix_hashes(FIRST[0])
+        assert all(kv.pool.lookup(h, t) is None for h, t in request_hashes[:1])  # evicted
+        slot = tiers.host.entries[request_hashes[2][0]].slot
+        _flip_first_byte(llm.engine.rank.tiers.host.slot(slot), offset=100)
+        restored_before = tiers.stats.num_restored_blocks
+        assert generate(llm, SECOND[:1]) == references[3:4]
+        assert tiers.stats.num_checksum_failures == 1
+        assert tiers.stats.num_restored_blocks == restored_before + 6  # the whole prefix was tried
+        # Recomputed from the corrupt block on, spilled again: the next pass reads clean copies.
+        assert generate(llm, FIRST[1:2] + FIRST[:1]) == [references[1], references[0]]
+        assert tiers.stats.num_checksum_failures == 1
+
+
+def test_corrupted_disk_block_is_caught_and_recomputed(model_dir, references, tmp_path):
+    disk_dir = tmp_path / "kv"
+    cfg = config(model_dir, host_kv_blocks=2, disk_kv_dir=str(disk_dir), disk_kv_blocks=64)
+    with LLM(cfg) as llm:
+        assert generate(llm, FIRST) == references[:3]
+        tiers = tier_stats(llm)
+        on_disk = [h for h, _ in _prefix_hashes(FIRST[0])
+                   if h in tiers.disk.entries and h not in tiers.host.entries]
+        assert on_disk
+        slot = tiers.disk.entries[on_disk[0]].slot
+        slot_bytes = llm.engine.rank.tiers.disk.slot_bytes
+        _flip_first_byte(str(disk_dir / "rank0" / "blocks.bin"), slot * slot_bytes + 64)
+        assert generate(llm, SECOND[:1]) == references[3:4]
+        assert tiers.stats.num_checksum_failures == 1
+        assert on_disk[0] not in tiers.disk.entries
+
+
+def _prefix_hashes(prompt):
+    from kv.prefix_hash import extend_block_hashes
+    hashes = extend_block_hashes([], prompt, BLOCK)
+    return [(h, tuple(prompt[i * BLOCK:(i + 1) * BLOCK])) for i, h in enumerate(hashes)]
+
+
+def test_restart_reuses_the_disk_tier(model_dir, references, tmp_path, caplog):
+    disk_dir = tmp_path / "kv"
+    cfg = config(model_dir, host_kv_blocks=4, disk_kv_dir=str(disk_dir), disk_kv_blocks=64)
+    with LLM(cfg) as llm:
+        assert generate(llm, FIRST) == references[:3]
+        assert tier_stats(llm).stats.num_disk_written_blocks > 0
+    shutil.copytree(disk_dir, tmp_path / "truncated")
+    with LLM(cfg) as llm:
+        tiers = tier_stats(llm)
+        assert len(tiers.disk.entries) > 0  # recovered from the snapshot
+        assert generate(llm, SECOND) == references[3:]
+        assert tiers.disk.num_hits > 0
+        assert tiers.stats.num_checksum_failures == 0
+
+    # A truncated snapshot and a stray file: warnings, nothing reused, output still right.
+    snapshot = tmp_path / "truncated" / "rank0" / "tokens.snapshot"
+    snapshot.write_bytes(snapshot.read_bytes()[:-10])
+    (tmp_path / "truncated" / "rank0" / "stray.bin").write_bytes(b"x" * 100)
+    caplog.clear()
+    with LLM(config(model_dir, host_kv_blocks=4, disk_kv_dir=str(tmp_path / "truncated"),
+                    disk_kv_blocks=64)) as llm:
+        assert len(tier_stats(llm).disk.entries) == 0
+        assert generate(llm, SECOND) == references[3:]
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "truncated" in messages and "stray.bin" in messages
+
+
+def test_restart_with_another_model_ignores_the_disk_tier(model_dir, tmp_path, caplog):
+    disk_dir = tmp_path / "kv"
+    cfg = config(model_dir, host_kv_blocks=4, disk_kv_dir=str(disk_dir), disk_kv_blocks=64)
+    with LLM(cfg) as llm:
+        generate(llm, FIRST)
+    other = build_checkpoint(tmp_path / "other", "llama", seed=4)
+    caplog.clear()
+    with LLM(config(other, host_kv_blocks=4, disk_kv_dir=str(disk_dir),
+                    disk_kv_blocks=64)) as llm:
+        assert len(tier_stats(llm).disk.entries) == 0
+        assert generate(llm, SECOND[:1]) == hf_greedy(other, SECOND[:1], MAX_NEW)
+    assert "another model" in " ".join(r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.multiproc
+def test_tp2_spills_to_host_and_disk_and_matches_transformers(model_dir, references, tmp_path):
+    cfg = config(model_dir, tp_size=2, host_kv_blocks=6, disk_kv_dir=str(tmp_path / "kv"),
+                 disk_kv_blocks=64)
+    with LLM(cfg) as llm:
+        assert generate(llm, FIRST) == references[:3]
+        assert generate(llm, SECOND) == references[3:]
+        tiers = tier_stats(llm)
+        assert tiers.host.num_hits + tiers.disk.num_hits > 0
+        assert tiers.disk.num_hits > 0
+        assert tiers.stats.num_checksum_failures == 0
+    assert (tmp_path / "kv" / "rank1" / "blocks.bin").stat().st_size > 0

@@ -1,0 +1,199 @@
+"""Building the KV tiers: each rank's storage and transfer engine, and rank 0's bookkeeping.
+
+On disk, each rank owns ``<disk_kv_dir>/rank<r>/``: ``blocks.bin`` (its shard of every disk block),
+``checksums.snapshot`` (slot -> tag, checksum) and, on rank 0, ``tokens.snapshot`` (slot -> block
+hash and tokens, what a prefix lookup needs). A snapshot carries the identity of the model and KV
+layout that wrote it; one from another model, another TP size or a truncated one is ignored with a
+warning. On a warm start the ranks agree (all-reduce MIN and MAX of every slot's tag) on the slots
+that every rank holds for the same block; rank 0 adopts those whose tokens it knows. The bytes
+themselves are checked again, by checksum, whenever they come back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from kv.disk_index import DirectoryLock, lock_directory, read_snapshot, warn_unknown_files, \
+    write_snapshot
+from kv.disk_store import DiskStore
+from kv.eviction import HotnessTracker, make_policy
+from kv.host_buffer import HostBuffer
+from kv.kv_cache import KVCache
+from kv.kv_manager import KVCacheManager
+from kv.prefix_hash import BlockHash
+from kv.tier_index import TierEntry, TierIndex
+from kv.tiers import KVTiers
+from kv.transfer import TransferEngine
+from workers.config import EngineConfig
+from workers.loader import checkpoint_files
+
+logger = logging.getLogger(__name__)
+
+BLOCKS_FILE = "blocks.bin"
+CHECKSUMS_FILE = "checksums.snapshot"
+TOKENS_FILE = "tokens.snapshot"
+_KNOWN_FILES = (BLOCKS_FILE, CHECKSUMS_FILE, TOKENS_FILE)
+_SAMPLE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class RankTierConfig:
+    """What one rank needs to build its tiers (picklable: it travels to the rank's process)."""
+
+    num_host_blocks: int
+    disk_dir: Optional[str]
+    num_disk_blocks: int
+    identity: str  # the model and KV layout the disk blocks belong to
+
+
+@dataclass
+class RankTiers:
+    """One rank's tier storage and the engine that moves its blocks."""
+
+    transfer: TransferEngine
+    host: HostBuffer
+    disk: Optional[DiskStore]
+    lock: Optional[DirectoryLock]
+    recovered_disk_tags: Dict[int, int]  # slot -> block hash every rank holds (warm start)
+
+    def close(self) -> None:
+        """Finish queued transfers, then release memory, file and lock."""
+        self.transfer.close()
+        self.host.close()
+        if self.disk is not None:
+            self.disk.close()
+        if self.lock is not None:
+            self.lock.release()
+
+
+def model_identity(model_dir: Path, dtype: str, block_size: int, tp_size: int) -> str:
+    """A digest of the checkpoint (config, shard names and sizes, first and last MiB of each shard)
+    and the KV layout: blocks written under another identity are not this model's KV."""
+    digest = hashlib.sha256()
+    digest.update((model_dir / "config.json").read_bytes())
+    for path in checkpoint_files(model_dir):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(_SAMPLE_BYTES))
+            f.seek(max(0, size - _SAMPLE_BYTES))
+            digest.update(f.read(_SAMPLE_BYTES))
+    digest.update(f"dtype={dtype},block_size={block_size},tp={tp_size}".encode())
+    return digest.hexdigest()[:32]
+
+
+def tier_sizes(config: EngineConfig, bytes_per_block: int) -> Tuple[int, int]:
+    """(host blocks, disk blocks) per rank from the config's block counts or GiB."""
+    slot_bytes = -(-bytes_per_block // 4096) * 4096
+    host = config.host_kv_blocks
+    if host is None:
+        host = int(config.host_kv_gb * (1 << 30)) // slot_bytes
+    disk = 0
+    if config.disk_kv_dir is not None:
+        disk = config.disk_kv_blocks
+        if disk is None:
+            disk = int(config.disk_kv_gb * (1 << 30)) // slot_bytes
+    if config.has_host_tier and host < 1:
+        raise ValueError(f"--host-kv-gb {config.host_kv_gb} holds no block of {slot_bytes} bytes")
+    if config.disk_kv_dir is not None and disk < 1:
+        raise ValueError(f"--disk-kv-gb {config.disk_kv_gb} holds no block of {slot_bytes} bytes")
+    return host, disk
+
+
+def rank_dir(disk_dir: str, rank: int) -> Path:
+    return Path(disk_dir) / f"rank{rank}"
+
+
+def build_rank_tiers(config: RankTierConfig, kv_cache: KVCache, rank: int,
+                     cpu_group: Optional[dist.ProcessGroup]) -> RankTiers:
+    """This rank's host buffer, disk file and transfer engine; agrees on recovered disk blocks."""
+    device = kv_cache.data.device
+    host = HostBuffer(config.num_host_blocks, kv_cache.spec.bytes_per_block,
+                      pin=device.type == "cuda")
+    disk, lock, index_path = None, None, None
+    identity = f"{config.identity}/rank{rank}"
+    if config.disk_dir is not None:
+        directory = rank_dir(config.disk_dir, rank)
+        lock = lock_directory(directory)
+        warn_unknown_files(directory, _KNOWN_FILES)
+        disk = DiskStore(directory / BLOCKS_FILE, config.num_disk_blocks, host.slot_bytes)
+        index_path = directory / CHECKSUMS_FILE
+    transfer = TransferEngine(kv_cache, host, disk, index_path, identity)
+    recovered: Dict[int, int] = {}
+    if disk is not None:
+        recovered = agree_disk_tags(transfer.disk_tags(), config.num_disk_blocks, cpu_group)
+    return RankTiers(transfer, host, disk, lock, recovered)
+
+
+def agree_disk_tags(local: Dict[int, int], num_slots: int,
+                    cpu_group: Optional[dist.ProcessGroup]) -> Dict[int, int]:
+    """Slots that every rank holds with the same tag (a collective over ``cpu_group``)."""
+    if cpu_group is None:
+        return dict(local)
+    present = torch.zeros(num_slots, dtype=torch.int64)
+    tags = torch.zeros(num_slots, dtype=torch.int64)
+    for slot, tag in local.items():
+        present[slot] = 1
+        tags[slot] = _signed64(tag)
+    low, high = tags.clone(), tags.clone()
+    dist.all_reduce(present, op=dist.ReduceOp.MIN, group=cpu_group)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=cpu_group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=cpu_group)
+    agreed = (present == 1) & (low == high)
+    return {slot: local[slot] for slot in agreed.nonzero().flatten().tolist()}
+
+
+def _signed64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def build_kv_manager(config: EngineConfig, num_blocks: int, num_host_blocks: int,
+                     num_disk_blocks: int, identity: str,
+                     recovered_disk_tags: Dict[int, int]) -> KVCacheManager:
+    """Rank 0's block manager, with host and disk tier bookkeeping when configured."""
+    tracker = HotnessTracker(config.kv_hotness_decay) if config.kv_eviction == "hotness" else None
+
+    def policy(pin: Optional[float]):
+        return make_policy(config.kv_eviction, tracker, pin)
+
+    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_cache,
+                        policy(config.kv_pin_threshold), tracker)
+    if not config.has_host_tier:
+        return kv
+    host = TierIndex("host", num_host_blocks, policy(None))
+    disk = None
+    if config.disk_kv_dir is not None:
+        disk = TierIndex("disk", num_disk_blocks, policy(None))
+        disk.restore_entries(_recovered_entries(config.disk_kv_dir, identity,
+                                                recovered_disk_tags))
+        if disk.entries:
+            logger.info("disk KV tier: %d blocks recovered from %s", len(disk.entries),
+                        config.disk_kv_dir)
+    kv.tiers = KVTiers(kv.pool, config.block_size, host, disk)
+    return kv
+
+
+def _recovered_entries(disk_dir: str, identity: str,
+                       tags: Dict[int, int]) -> Dict[BlockHash, TierEntry]:
+    records = read_snapshot(rank_dir(disk_dir, 0) / TOKENS_FILE, "disk-tokens", identity) or []
+    entries: Dict[BlockHash, TierEntry] = {}
+    for record in records:
+        slot, block_hash, token_ids = record
+        if tags.get(slot) == block_hash and block_hash not in entries:
+            entries[BlockHash(block_hash)] = TierEntry(slot, tuple(token_ids))
+    return entries
+
+
+def save_token_index(disk_dir: str, identity: str, tiers: KVTiers) -> None:
+    """Rank 0's half of a disk snapshot: which block (hash and tokens) each disk slot holds."""
+    assert tiers.disk is not None
+    records = [[entry.slot, block_hash, list(entry.token_ids)]
+               for block_hash, entry in tiers.disk.entries.items()]
+    write_snapshot(rank_dir(disk_dir, 0) / TOKENS_FILE, "disk-tokens", identity, records)
