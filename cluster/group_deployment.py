@@ -125,4 +125,5 @@ def group_metrics_snapshot(engine: AsyncLLMEngine) -> Dict:
         "prefix_cache_hits_total": kv.num_prefix_hits,
         "num_preemptions_total": eng.scheduler.num_preemptions,
         "allreduce_latency_seconds": eng.rank.tp.all_reduce_latency.drain(),
+        **eng.kv_tier_stats(),
     }

@@ -66,7 +66,8 @@ class KVCacheManager:
         self._tables: Dict[Hashable, List[Block]] = {}
         self._num_cached: Dict[Hashable, int] = {}  # leading blocks already registered
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
-        self.num_prefix_hits = 0  # of which found
+        self.num_prefix_hits = 0  # of which found, in any tier
+        self.num_device_hits = 0  # of which found in this pool
 
     @property
     def enable_prefix_cache(self) -> bool:
@@ -87,12 +88,13 @@ class KVCacheManager:
                 blocks.append(block)
         return CachedPrefix(blocks, len(blocks) * self.block_size)
 
-    def count_prefix_query(self, num_tokens: int, num_hit_tokens: int,
+    def count_prefix_query(self, num_tokens: int, prefix: CachedPrefix, num_hit_tokens: int,
                            block_hashes: Sequence[BlockHash]) -> None:
-        """Count an admitted request's lookup (``num_hit_tokens`` found in any tier) and tell the
-        eviction policies that this request uses the blocks ``block_hashes``."""
+        """Count an admitted request's lookup (``prefix`` found here, ``num_hit_tokens`` in any
+        tier) and tell the eviction policies that this request uses the blocks ``block_hashes``."""
         self.num_prefix_queries += num_tokens
         self.num_prefix_hits += num_hit_tokens
+        self.num_device_hits += prefix.num_tokens
         if self.tracker is not None:
             self.tracker.tick()
         for block_hash in block_hashes:

@@ -148,6 +148,22 @@ class KVTiers:
         if self.disk is not None:
             self.disk.policy.record_access(block_hash)
 
+    def usage(self) -> Dict[str, int]:
+        """Blocks used/total and lookups/hits per lower tier, and the failure counts."""
+        out = {
+            "host_blocks_used": self.host.num_used, "host_blocks_total": self.host.num_slots,
+            "host_queries_total": self.host.num_queries, "host_hits_total": self.host.num_hits,
+            "checksum_failures_total": self.stats.num_checksum_failures,
+            "io_errors_total": self.stats.num_io_errors,
+            "swapped_out_total": self.stats.num_swapped_out,
+        }
+        if self.disk is not None:
+            out.update({
+                "disk_blocks_used": self.disk.num_used, "disk_blocks_total": self.disk.num_slots,
+                "disk_queries_total": self.disk.num_queries, "disk_hits_total": self.disk.num_hits,
+            })
+        return out
+
     # ----- issuing ops -----
 
     def write_through(self, blocks: Sequence[Block]) -> None:

@@ -321,6 +321,27 @@ class LLMEngine:
     def kv_usage(self) -> KVUsage:
         return self.scheduler.kv_usage()
 
+    def kv_tier_stats(self) -> Dict[str, object]:
+        """The tiers' numbers for the serving layer, keyed ``kv_tier_*`` (counters end in
+        ``_total``; bytes count every rank's shard; latency samples are rank 0's, per batch of
+        transfers, since the last call). Empty without tiers."""
+        tiers, rank_tiers = self.scheduler.kv.tiers, self.rank.tiers
+        if tiers is None or rank_tiers is None:
+            return {}
+        pool, transfer, ranks = self.scheduler.kv.pool, rank_tiers.transfer, self.config.tp_size
+        stats: Dict[str, object] = {
+            "device_blocks_used": pool.num_used, "device_blocks_total": pool.num_blocks,
+            "device_queries_total": self.scheduler.kv.num_prefix_queries // self.config.block_size,
+            "device_hits_total": self.scheduler.kv.num_device_hits // self.config.block_size,
+            **tiers.usage(),
+            "spilled_bytes_total": transfer.num_bytes_spilled * ranks,
+            "restored_bytes_total": transfer.num_bytes_restored * ranks,
+            "disk_written_bytes_total": transfer.num_bytes_disk_written * ranks,
+            "disk_read_bytes_total": transfer.num_bytes_disk_read * ranks,
+            "transfer_latency_seconds": transfer.transfer_latency.drain(),
+        }
+        return {f"kv_tier_{key}": value for key, value in stats.items()}
+
     def shutdown(self) -> None:
         """Stop the child ranks (a shutdown plan releases their blocked broadcast)."""
         if self._is_shut_down:

@@ -197,7 +197,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             num_hit = target if num_new == 0 else prefix.num_tokens
-            self.kv.count_prefix_query(request.num_tokens, num_hit, request.block_hashes)
+            self.kv.count_prefix_query(request.num_tokens, prefix, num_hit, request.block_hashes)
             self.kv.allocate(request.request_id, target, prefix)
             if num_new == 0:
                 self._start_loading(request, prefix, hits, tail)

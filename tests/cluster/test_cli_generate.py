@@ -48,3 +48,32 @@ def test_missing_model_and_long_prompt_are_clear_errors(tiny_llama, tmp_path):
                    "--prompt", "hello " * 400)
     assert long.returncode == 2 and "the model's context is 256" in long.stderr
     assert "Traceback" not in long.stderr
+
+
+def test_generate_with_host_and_disk_tiers(tiny_llama, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    shared = list(range(10, 42))
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": shared + [50 + i]}) + "\n"
+                               for i in range(3)))
+    base = ("generate", "--model", str(tiny_llama), "--max-tokens", "4", "--block-size", "4",
+            "--json", "--prompts-file", str(prompts))
+    plain = tpserve(*base, "--kv-blocks", "64")
+    tiered = tpserve(*base, "--kv-blocks", "12", "--max-num-seqs", "1", "--host-kv-blocks", "4",
+                     "--disk-kv-dir", str(tmp_path / "kv"), "--disk-kv-blocks", "32",
+                     "--kv-eviction", "hotness")
+    assert plain.returncode == 0 and tiered.returncode == 0, tiered.stderr
+    assert tiered.stdout == plain.stdout
+    assert (tmp_path / "kv" / "rank0" / "tokens.snapshot").exists()
+
+
+@pytest.mark.parametrize("args,match", [
+    (("--disk-kv-dir", "/tmp/x", "--disk-kv-blocks", "4"), "needs a host tier"),
+    (("--host-kv-blocks", "4", "--disk-kv-dir", "/tmp/x"), "--disk-kv-gb or --disk-kv-blocks"),
+    (("--host-kv-blocks", "0"), "--host-kv-blocks must be at least 1"),
+    (("--host-kv-blocks", "4", "--no-prefix-cache"), "prefix-cached"),
+    (("--kv-eviction", "mru"), "invalid choice"),
+])
+def test_bad_tier_flags_are_clear_errors(tiny_llama, args, match):
+    result = tpserve("generate", "--model", str(tiny_llama), "--prompt", "hi", *args)
+    assert result.returncode == 2
+    assert match in result.stderr and "Traceback" not in result.stderr

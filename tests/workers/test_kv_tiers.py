@@ -69,6 +69,13 @@ def test_host_tier_restores_evicted_prefixes(model_dir, references):
         assert tiers.stats.num_restored_blocks >= 12
         assert tiers.stats.num_checksum_failures == 0
         assert llm.engine.scheduler.kv.pool.num_evicted > 0
+        stats = llm.engine.kv_tier_stats()
+        block_bytes = llm.engine.rank.tiers.host.block_nbytes
+        assert stats["kv_tier_host_hits_total"] == tiers.host.num_hits
+        assert stats["kv_tier_host_blocks_total"] == 64
+        assert stats["kv_tier_spilled_bytes_total"] == tiers.stats.num_spilled_blocks * block_bytes
+        assert stats["kv_tier_restored_bytes_total"] == tiers.stats.num_restored_blocks * block_bytes
+        assert stats["kv_tier_transfer_latency_seconds"]  # samples since the engine started
 
 
 def test_without_tiers_the_same_workload_recomputes(model_dir, references):
