@@ -105,17 +105,23 @@ class LRUPolicy(EvictionPolicy):
             self._keys.move_to_end(key)
 
 
+_NEGLIGIBLE = 1e-12  # a score this small: no access in the last several hundred ticks
+
+
 class HotnessTracker:
     """Per-block EMA of "the request used this block", over a clock of requests.
 
-    Shared by the policies of all tiers. Memory is one entry per key ever accessed and not yet
-    ``forget``-ten; callers forget a key once it has left every tier. All operations are O(1).
+    Shared by the policies of all tiers. Memory is one entry per key accessed in the last few
+    hundred ticks: every ``prune_every`` ticks, keys whose score fell below ``_NEGLIGIBLE`` are
+    dropped (O(n), amortized O(n / prune_every) per tick); a dropped key still held by a tier ranks
+    as coldest, which its score already made it. Operations are O(1) otherwise.
     """
 
-    def __init__(self, decay: float = 0.95) -> None:
+    def __init__(self, decay: float = 0.95, prune_every: int = 8192) -> None:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay must be in (0, 1), got {decay!r}")
         self.decay = decay
+        self._prune_every = prune_every
         self._log_decay = math.log(decay)
         self._now = 0
         self._entries: Dict[Hashable, Tuple[float, int]] = {}  # key -> (score at last, last tick)
@@ -128,6 +134,9 @@ class HotnessTracker:
     def tick(self) -> None:
         """One request looked up the cache: the clock advances by one."""
         self._now += 1
+        if self._now % self._prune_every == 0:
+            self._entries = {key: entry for key, entry in self._entries.items()
+                             if self.score(key) >= _NEGLIGIBLE}
 
     def access(self, key: Hashable) -> None:
         """This request used the block. Counts at most once per tick per key."""

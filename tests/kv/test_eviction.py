@@ -260,3 +260,14 @@ def test_hotness_matches_brute_force_model(ops, decay):
         # Exact tie-break: among keys with the lowest (exact) priority, the earliest inserted.
         lowest = min(tracker.priority(k) for k in present)
         assert victim == next(k for k in present if tracker.priority(k) == lowest)
+
+
+def test_tracker_prunes_keys_unused_for_long():
+    tracker = HotnessTracker(0.5, prune_every=64)
+    tracker.access("old")
+    for _ in range(63):
+        tracker.tick()
+    tracker.access("recent")
+    tracker.tick()  # tick 64: "old" decayed to 0.5 * 0.5**64, below the threshold
+    assert len(tracker) == 1
+    assert tracker.score("old") == 0.0 and tracker.score("recent") == pytest.approx(0.25)

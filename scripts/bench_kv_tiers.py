@@ -1,0 +1,641 @@
+"""Benchmark the KV tiers below the device pool: copy and disk bandwidth, prefix hits on a trace.
+
+Three parts, in one process, one after another:
+
+(a) Host copies. One rank's tier machinery (``KVCache``, ``HostBuffer``, ``TransferEngine``) with
+    the KV shape of ``--model`` at TP 1 moves ``--copy-blocks`` blocks per batch: one ``submit`` of
+    that many ``Spill`` ops (device -> host, each block's xxh3 checksum computed), wait; then as
+    many ``Restore`` ops (host -> device, checksums verified first). The baseline is a plain
+    ``dst.copy_(src)`` of contiguous float32 tensors of exactly the same total bytes. Tier and
+    baseline alternate, ``--repeats`` times after one warm-up round; medians are reported.
+    ``host_copy_ratio`` is the lower of the two directions' ratios (tier GB/s / plain GB/s).
+(b) Disk. ``--disk-blocks`` consecutive disk slots written from and read back into host slots
+    through the same ``TransferEngine`` (``WriteDisk`` / ``ReadDisk``: ``DiskStore`` coalesces
+    them into 8 MiB ``O_DIRECT`` calls; reads verify checksums), against a raw loop over the same
+    bytes on the same filesystem: a separate ``O_DIRECT`` file, ``os.pwrite`` then ``os.preadv``
+    of 8 MiB chunks from / into an ``aligned_buffer``. Alternated and reported like (a);
+    ``disk_ratio`` is the lower of the write and read ratios. Nothing is synced in either.
+(c) Trace replay through the real engine (``LLMEngine``) of a Mooncake-format JSONL trace
+    (``{"timestamp", "input_length", "output_length", "hash_ids"}``, one hash id per 512-token
+    block). Subset: the requests whose first hash id is in a seeded sample of ``--root-frac`` of
+    the distinct first hash ids, in trace order (this keeps the reuse structure). Scaling: every
+    hash id becomes one block of ``block_size`` token ids drawn from ``random.Random(hash_id)``, so
+    a prompt is the concatenation of its blocks (the trace's ``input_length`` is replaced by
+    ``len(hash_ids) * block_size``; prompts longer than the model's context lose their last
+    blocks); outputs are capped at ``--max-output``. Replay: closed loop, ``--in-flight``
+    requests at a time (the next is added when one finishes), same order for every config.
+    TTFT: ``add_request`` to the first output carrying a token. Configs: device-only, then host +
+    disk tiers with LRU, then with hotness eviction; the device pool holds ``--device-frac`` of the
+    subset's unique blocks (at least twice the longest request), the host ``--host-frac``, the
+    disk every unique block. Hit rate: prompt tokens found in any tier / prompt tokens looked up.
+
+The last line printed is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as `python scripts/bench_kv_tiers.py` from anywhere
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from kv.disk_store import DiskStore, aligned_buffer  # noqa: E402
+from kv.host_buffer import HostBuffer  # noqa: E402
+from kv.kv_cache import KVCache, KVCacheSpec  # noqa: E402
+from kv.tier_ops import OpStatus, ReadDisk, Restore, Spill, WriteDisk  # noqa: E402
+from kv.transfer import TransferEngine  # noqa: E402
+from workers.config import EngineConfig  # noqa: E402
+from workers.default_model import resolve_model_path  # noqa: E402
+from workers.engine import LLMEngine  # noqa: E402
+from workers.model_config import ModelConfig, load_model_config  # noqa: E402
+from workers.sampling_params import SamplingParams  # noqa: E402
+
+DEFAULT_TRACE = REPO.parent / "shared/data/traces/mooncake_synthetic_trace.jsonl"
+MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
+MOONCAKE_BLOCK_TOKENS = 512
+MIN_TOKEN_ID = 3  # stay clear of the special tokens at the lowest ids
+IO_CHUNK_BYTES = 8 << 20  # the raw loop's call size, equal to DiskStore's max_io_bytes
+TARGET_COPY_RATIO = 0.8
+TARGET_DISK_RATIO = 0.8
+TARGET_SPILL_GAIN = 1.5
+CONFIGS = ("device_only", "lru", "hotness")
+# Full run / --quick defaults of the size flags (None on the command line: take these).
+SIZES = {
+    "full": dict(copy_blocks=256, disk_blocks=512, repeats=5, root_frac=0.03, in_flight=4,
+                 max_output=4),
+    "quick": dict(copy_blocks=8, disk_blocks=8, repeats=2, root_frac=1.0, in_flight=2,
+                  max_output=2),
+}
+
+
+class BenchInputError(ValueError):
+    """Bad input from the command line or a file; printed without a traceback."""
+
+
+# ----- (a) and (b): bandwidth -----
+
+
+def kv_spec(model: ModelConfig, num_blocks: int, block_size: int) -> KVCacheSpec:
+    """One rank's KV pool shape at TP 1, in fp32 (what the engine uses on CPU)."""
+    return KVCacheSpec(num_layers=model.num_layers, num_blocks=num_blocks, block_size=block_size,
+                       num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                       dtype=torch.float32)
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def _run_ops(transfer: TransferEngine, ops: list) -> None:
+    transfer.submit(ops)
+    results = transfer.agree(None, wait=True)
+    bad = [s for s in results.statuses if s is not OpStatus.OK]
+    if len(results.statuses) != len(ops) or bad:
+        raise RuntimeError(f"{type(ops[0]).__name__} batch: {len(bad)} of {len(ops)} ops failed "
+                           f"({sorted({s.name for s in bad})})")
+
+
+def compare(pairs: Dict[str, Tuple[Callable[[], None], Callable[[], None]]], num_bytes: int,
+            repeats: int) -> Dict[str, Tuple[float, float]]:
+    """Per direction: median GB/s of (tier, baseline), alternated, after one warm-up round."""
+    times: Dict[str, Tuple[List[float], List[float]]] = {k: ([], []) for k in pairs}
+    for round_index in range(repeats + 1):
+        for name, (tier, base) in pairs.items():
+            tier_s, base_s = _timed(tier), _timed(base)
+            if round_index:
+                times[name][0].append(tier_s)
+                times[name][1].append(base_s)
+    return {name: (num_bytes / statistics.median(t) / 1e9, num_bytes / statistics.median(b) / 1e9)
+            for name, (t, b) in times.items()}
+
+
+def bench_host_copies(spec: KVCacheSpec, repeats: int) -> Dict[str, Tuple[float, float]]:
+    n = spec.num_blocks
+    kv = KVCache(spec, torch.device("cpu"))
+    kv.data.normal_()
+    host = HostBuffer(n, spec.bytes_per_block, pin=False)
+    transfer = TransferEngine(kv, host)
+    numel = n * spec.bytes_per_block // 4
+    src, dst = torch.randn(numel), torch.empty(numel)  # the plain copy's contiguous fp32 pair
+    spills = [Spill(b, b, tag=b) for b in range(n)]
+    restores = [Restore(b, b, tag=b) for b in range(n)]
+    try:
+        return compare({"device_to_host": (lambda: _run_ops(transfer, spills),
+                                           lambda: dst.copy_(src)),
+                        "host_to_device": (lambda: _run_ops(transfer, restores),
+                                           lambda: src.copy_(dst))},
+                       n * spec.bytes_per_block, repeats)
+    finally:
+        transfer.close()
+        host.close()
+
+
+class RawDirectFile:
+    """The baseline of (b): 8 MiB ``pwrite``/``preadv`` calls on an ``O_DIRECT`` file."""
+
+    def __init__(self, path: Path, num_bytes: int) -> None:
+        self.num_bytes = num_bytes
+        self.buffer = aligned_buffer(num_bytes)
+        self.view = memoryview(self.buffer)
+        self.view[:] = os.urandom(num_bytes)
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        try:
+            self.fd, self.is_direct = os.open(path, flags | os.O_DIRECT, 0o644), True
+        except OSError:
+            self.fd, self.is_direct = os.open(path, flags, 0o644), False
+        os.ftruncate(self.fd, num_bytes)
+
+    def write(self) -> None:
+        self._loop(lambda view, offset: os.pwrite(self.fd, view, offset))
+
+    def read(self) -> None:
+        self._loop(lambda view, offset: os.preadv(self.fd, [view], offset))
+
+    def _loop(self, call: Callable[[memoryview, int], int]) -> None:
+        offset = 0
+        while offset < self.num_bytes:
+            n = call(self.view[offset:min(offset + IO_CHUNK_BYTES, self.num_bytes)], offset)
+            if n <= 0:
+                raise OSError(f"raw O_DIRECT loop: no progress at byte {offset}")
+            offset += n
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self.view.release()
+        self.buffer.close()
+
+
+def bench_disk(spec: KVCacheSpec, directory: Path, repeats: int) -> Tuple[Dict, bool, bool]:
+    """(per direction (tier, raw) GB/s, tier is O_DIRECT, raw loop is O_DIRECT)."""
+    n = spec.num_blocks
+    kv = KVCache(spec, torch.device("cpu"))
+    kv.data.normal_()
+    host = HostBuffer(n, spec.bytes_per_block, pin=False)
+    disk = DiskStore(directory / "tier_blocks.bin", n, host.slot_bytes)
+    transfer = TransferEngine(kv, host, disk)
+    raw = RawDirectFile(directory / "raw_direct.bin", n * host.slot_bytes)
+    try:
+        _run_ops(transfer, [Spill(b, b, tag=b) for b in range(n)])  # host slots need checksums
+        writes = [WriteDisk(s, s, tag=s) for s in range(n)]
+        reads = [ReadDisk(s, s, tag=s) for s in range(n)]
+        result = compare({"write": (lambda: _run_ops(transfer, writes), raw.write),
+                          "read": (lambda: _run_ops(transfer, reads), raw.read)},
+                         n * host.slot_bytes, repeats)
+        return result, disk.is_direct, raw.is_direct
+    finally:
+        transfer.close()
+        disk.close()
+        host.close()
+        raw.close()
+
+
+# ----- (c): the trace -----
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    hash_ids: Tuple[int, ...]
+    output_length: int
+
+
+def read_mooncake(path: Path) -> List[TraceRequest]:
+    """Every request of a Mooncake-format JSONL trace, in file order."""
+    try:
+        with open(path) as f:
+            rows = [_mooncake_row(path, number, line)
+                    for number, line in enumerate(f, 1) if line.strip()]
+    except OSError as exc:
+        raise BenchInputError(f"trace {path}: cannot read it ({exc.strerror})") from None
+    if not rows:
+        raise BenchInputError(f"trace {path}: no requests, expected JSON lines with keys "
+                              f"{', '.join(MOONCAKE_KEYS)}")
+    return rows
+
+
+def _mooncake_row(path: Path, number: int, line: str) -> TraceRequest:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        row = None
+    if not isinstance(row, dict) or any(k not in row for k in MOONCAKE_KEYS):
+        raise BenchInputError(f"trace {path} line {number}: expected a JSON object with keys "
+                              f"{', '.join(MOONCAKE_KEYS)}")
+    hash_ids, output = row["hash_ids"], row["output_length"]
+    if (not isinstance(hash_ids, list) or not hash_ids
+            or not all(isinstance(h, int) for h in hash_ids)):
+        raise BenchInputError(f"trace {path} line {number}: hash_ids must be a non-empty list of "
+                              f"integers")
+    if not isinstance(output, int) or output < 1:
+        raise BenchInputError(f"trace {path} line {number}: output_length must be a positive "
+                              f"integer, got {output!r}")
+    return TraceRequest(tuple(hash_ids), output)
+
+
+def sample_roots(rows: Sequence[TraceRequest], frac: float, seed: int) -> List[TraceRequest]:
+    """The requests whose first hash id is in a seeded sample of ``frac`` of the distinct ones."""
+    roots = sorted({r.hash_ids[0] for r in rows})
+    kept = set(random.Random(seed).sample(roots, max(1, round(frac * len(roots)))))
+    return [r for r in rows if r.hash_ids[0] in kept]
+
+
+def fit_context(rows: Sequence[TraceRequest], max_output: int, block_size: int,
+                max_model_len: int) -> List[TraceRequest]:
+    """Outputs capped at ``max_output``; prompts cut to whole blocks that fit the context."""
+    fitted = []
+    for r in rows:
+        output = min(r.output_length, max_output, max_model_len - 1)
+        max_blocks = max(1, (max_model_len - output) // block_size)
+        fitted.append(TraceRequest(r.hash_ids[:max_blocks], output))
+    return fitted
+
+
+def ideal_hit_rate(rows: Sequence[TraceRequest]) -> Tuple[float, float]:
+    """(block hit rate of an infinite cache, the same leaving every prompt's last block to
+    compute as the engine does). A block hits if its whole prefix of hash ids was seen before."""
+    seen: set = set()
+    hits = engine_hits = total = 0
+    for r in rows:
+        num_hit = 0
+        while num_hit < len(r.hash_ids) and r.hash_ids[:num_hit + 1] in seen:
+            num_hit += 1
+        hits += num_hit
+        engine_hits += min(num_hit, len(r.hash_ids) - 1)
+        total += len(r.hash_ids)
+        seen.update(r.hash_ids[:i + 1] for i in range(len(r.hash_ids)))
+    return hits / total, engine_hits / total
+
+
+class BlockTokens:
+    """Hash id -> its ``block_size`` token ids in ``[MIN_TOKEN_ID, vocab)``, deterministic."""
+
+    def __init__(self, block_size: int, vocab_size: int) -> None:
+        self.block_size, self.vocab_size = block_size, vocab_size
+        self._blocks: Dict[int, List[int]] = {}
+
+    def prompt(self, hash_ids: Sequence[int]) -> List[int]:
+        return [t for h in hash_ids for t in self._block(h)]
+
+    def _block(self, hash_id: int) -> List[int]:
+        if hash_id not in self._blocks:
+            rng = random.Random(hash_id)
+            self._blocks[hash_id] = [rng.randrange(MIN_TOKEN_ID, self.vocab_size)
+                                     for _ in range(self.block_size)]
+        return self._blocks[hash_id]
+
+
+@dataclass(frozen=True)
+class TierSizes:
+    device: int
+    host: int
+    disk: int
+    unique: int
+
+
+def tier_sizes(rows: Sequence[TraceRequest], args: argparse.Namespace) -> TierSizes:
+    unique = len({r.hash_ids[:i + 1] for r in rows for i in range(len(r.hash_ids))})
+    longest = max(len(r.hash_ids) + -(-r.output_length // args.block_size) for r in rows)
+    device = max(round(args.device_frac * unique), 2 * longest)
+    return TierSizes(device, max(1, round(args.host_frac * unique)), unique, unique)
+
+
+# ----- (c): the replay -----
+
+
+@dataclass
+class ReplayResult:
+    name: str
+    wall_s: float
+    ttft_s: List[float]
+    hit_rate: float
+    num_preemptions: int
+    tier_stats: Dict[str, object]
+    load_average: float = 0.0  # 1-minute load average right after the run
+
+    def ttft_ms(self, q: Optional[float] = None) -> float:
+        if q is None:
+            return 1e3 * statistics.fmean(self.ttft_s)
+        ordered = sorted(self.ttft_s)
+        return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def engine_config(name: str, args: argparse.Namespace, sizes: TierSizes,
+                  disk_root: Path) -> EngineConfig:
+    common = dict(model=args.model, block_size=args.block_size, num_kv_blocks=sizes.device,
+                  max_num_seqs=args.in_flight, device="cpu")
+    if name == "device_only":
+        return EngineConfig(**common)
+    return EngineConfig(**common, host_kv_blocks=sizes.host, disk_kv_dir=str(disk_root / name),
+                        disk_kv_blocks=sizes.disk, kv_eviction=name)
+
+
+def replay(name: str, config: EngineConfig, prompts: Sequence[List[int]],
+           outputs: Sequence[int], vocab_size: int) -> ReplayResult:
+    """Closed loop: ``max_num_seqs`` requests in flight; TTFT per request, hit rate of the run."""
+    with LLMEngine(config) as engine:
+        warm = random.Random("warm-up")  # tokens no trace block has, so nothing hits on them
+        _drain(engine, [warm.randrange(MIN_TOKEN_ID, vocab_size) for _ in range(40)], 2)
+        kv = engine.scheduler.kv
+        queries, hits = kv.num_prefix_queries, kv.num_prefix_hits
+        preemptions = engine.scheduler.num_preemptions
+        added: Dict[str, float] = {}
+        ttft: Dict[str, float] = {}
+        pending = list(range(len(prompts)))[::-1]
+        num_running = 0
+        started = time.perf_counter()
+        while pending or engine.has_unfinished():
+            while pending and num_running < config.max_num_seqs:
+                i = pending.pop()
+                added[str(i)] = time.perf_counter()
+                engine.add_request(prompts[i], _params(outputs[i]), request_id=str(i))
+                num_running += 1
+            for out in engine.step():
+                if out.new_token_ids and out.request_id not in ttft:
+                    ttft[out.request_id] = time.perf_counter() - added[out.request_id]
+                num_running -= out.finished
+        wall_s = time.perf_counter() - started
+        num_queries = kv.num_prefix_queries - queries
+        return ReplayResult(name, wall_s, list(ttft.values()),
+                            (kv.num_prefix_hits - hits) / num_queries if num_queries else 0.0,
+                            engine.scheduler.num_preemptions - preemptions,
+                            engine.kv_tier_stats())
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _drain(engine: LLMEngine, prompt: List[int], max_tokens: int) -> None:
+    engine.add_request(prompt, _params(max_tokens), request_id="warm-up")
+    while engine.has_unfinished():
+        engine.step()
+
+
+# ----- reporting -----
+
+
+def print_bandwidth(title: str, result: Dict[str, Tuple[float, float]], base_name: str,
+                    num_bytes: int, repeats: int) -> Dict[str, float]:
+    print(f"\n{title}: {num_bytes / 2**20:.0f} MiB per batch, median of {repeats} after a warm-up")
+    print(f"  {'direction':<16}{'tier GB/s':>11}{base_name + ' GB/s':>18}{'ratio':>8}")
+    ratios = {}
+    for name, (tier, base) in result.items():
+        ratios[name] = tier / base
+        print(f"  {name:<16}{tier:>11.2f}{base:>18.2f}{ratios[name]:>8.2f}")
+    return ratios
+
+
+def print_replay(results: Sequence[ReplayResult], ideal: float) -> None:
+    print(f"\n  {'config':<13}{'hit rate':>9}{'TTFT ms mean':>14}{'p50':>8}{'p99':>8}"
+          f"{'wall s':>8}{'preempt':>8}{'load':>6}")
+    for r in results:
+        print(f"  {r.name:<13}{r.hit_rate:>9.3f}{r.ttft_ms():>14.1f}{r.ttft_ms(0.5):>8.1f}"
+              f"{r.ttft_ms(0.99):>8.1f}{r.wall_s:>8.1f}{r.num_preemptions:>8}"
+              f"{r.load_average:>6.1f}")
+    print(f"  ideal (infinite cache, last block computed as the engine does): {ideal:.3f}")
+    for r in results:
+        s = r.tier_stats
+        if "kv_tier_host_hits_total" in s:
+            print(f"  {r.name}: host hits {s['kv_tier_host_hits_total']} blocks, disk hits "
+                  f"{s.get('kv_tier_disk_hits_total', 0)}, spilled "
+                  f"{s['kv_tier_spilled_bytes_total'] / 2**20:.1f} MiB, restored "
+                  f"{s['kv_tier_restored_bytes_total'] / 2**20:.1f} MiB, disk written "
+                  f"{s['kv_tier_disk_written_bytes_total'] / 2**20:.1f} MiB, read "
+                  f"{s['kv_tier_disk_read_bytes_total'] / 2**20:.1f} MiB, checksum failures "
+                  f"{s['kv_tier_checksum_failures_total']}, I/O errors "
+                  f"{s['kv_tier_io_errors_total']}")
+
+
+def tier_extras(r: ReplayResult) -> Dict[str, object]:
+    keys = ("host_hits_total", "disk_hits_total", "spilled_bytes_total", "restored_bytes_total",
+            "disk_written_bytes_total", "disk_read_bytes_total", "checksum_failures_total",
+            "io_errors_total")
+    return {f"{r.name}_{k}": r.tier_stats.get(f"kv_tier_{k}") for k in keys}
+
+
+# ----- main -----
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL")
+    p.add_argument("--model", default="default", help="checkpoint directory, or 'default'")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--quick", action="store_true", help="tiny sizes (tests; a minute or less)")
+    p.add_argument("--copy-blocks", type=int, help="blocks per batch in (a) (256; quick 8)")
+    p.add_argument("--disk-blocks", type=int, help="blocks per batch in (b) (512; quick 8)")
+    p.add_argument("--repeats", type=int, help="timed rounds in (a) and (b) (5; quick 2)")
+    p.add_argument("--root-frac", type=float,
+                   help="fraction of the trace's prefix roots replayed in (c) (0.03; quick 1)")
+    p.add_argument("--device-frac", type=float, default=0.1,
+                   help="device pool / unique blocks (at least twice the longest request)")
+    p.add_argument("--host-frac", type=float, default=0.25, help="host tier / unique blocks")
+    p.add_argument("--in-flight", type=int, help="requests in flight in (c) (4; quick 2)")
+    p.add_argument("--max-output", type=int, help="cap on output tokens in (c) (4; quick 2)")
+    p.add_argument("--disk-dir", type=Path, default=None,
+                   help="where (b) and the disk tiers of (c) write, in a fresh subdirectory "
+                        "removed at the end (default: a fresh directory under /tmp)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prefix-root sample")
+    args = p.parse_args(argv)
+    for name, value in SIZES["quick" if args.quick else "full"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name in ("copy_blocks", "disk_blocks", "repeats", "in_flight", "max_output",
+                 "block_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("root_frac", "device_frac", "host_frac"):
+        if not 0 < getattr(args, name) <= 1:
+            p.error(f"--{name.replace('_', '-')} must be in (0, 1]")
+    return args
+
+
+def load_model(args: argparse.Namespace) -> ModelConfig:
+    try:
+        return load_model_config(resolve_model_path(args.model))
+    except (OSError, ValueError) as exc:
+        raise BenchInputError(f"--model {args.model}: {exc}") from None
+
+
+def run_copies(model: ModelConfig, args: argparse.Namespace) -> Dict[str, object]:
+    spec = kv_spec(model, args.copy_blocks, args.block_size)
+    result = bench_host_copies(spec, args.repeats)
+    ratios = print_bandwidth(f"(a) host tier copies ({spec.bytes_per_block / 1024:.0f} KiB per "
+                             f"block, xxh3 checksum per block included) vs plain copy_",
+                             result, "plain copy_", args.copy_blocks * spec.bytes_per_block,
+                             args.repeats)
+    print(f"  host_copy_ratio = the lower of the two: {min(ratios.values()):.2f}", flush=True)
+    return {"host_copy_ratio": min(ratios.values()),
+            "d2h_gbps": result["device_to_host"][0], "d2h_copy_gbps": result["device_to_host"][1],
+            "h2d_gbps": result["host_to_device"][0], "h2d_copy_gbps": result["host_to_device"][1],
+            "d2h_ratio": ratios["device_to_host"], "h2d_ratio": ratios["host_to_device"],
+            "copy_bytes": args.copy_blocks * spec.bytes_per_block}
+
+
+def run_disk(model: ModelConfig, args: argparse.Namespace, directory: Path) -> Dict[str, object]:
+    spec = kv_spec(model, args.disk_blocks, args.block_size)
+    result, tier_direct, raw_direct = bench_disk(spec, directory, args.repeats)
+    num_bytes = args.disk_blocks * -(-spec.bytes_per_block // 4096) * 4096
+    ratios = print_bandwidth(f"(b) disk tier ({directory}) vs raw O_DIRECT loop of 8 MiB calls",
+                             result, "raw O_DIRECT", num_bytes, args.repeats)
+    print(f"  disk_ratio = the lower of the two: {min(ratios.values()):.2f}; O_DIRECT in use: "
+          f"tier {tier_direct}, raw loop {raw_direct}"
+          + ("" if tier_direct and raw_direct else " (buffered fallback: page cache numbers)"),
+          flush=True)
+    return {"disk_ratio": min(ratios.values()),
+            "disk_write_gbps": result["write"][0], "disk_write_raw_gbps": result["write"][1],
+            "disk_read_gbps": result["read"][0], "disk_read_raw_gbps": result["read"][1],
+            "disk_write_ratio": ratios["write"], "disk_read_ratio": ratios["read"],
+            "disk_bytes": num_bytes, "disk_is_direct": tier_direct,
+            "disk_raw_is_direct": raw_direct}
+
+
+def prepare_trace(rows: List[TraceRequest], model: ModelConfig,
+                  args: argparse.Namespace) -> Tuple[List[TraceRequest], TierSizes, float]:
+    subset = fit_context(sample_roots(rows, args.root_frac, args.seed), args.max_output,
+                         args.block_size, model.max_position_embeddings)
+    sizes = tier_sizes(subset, args)
+    plain, ideal = ideal_hit_rate(subset)
+    num_blocks = sum(len(r.hash_ids) for r in subset)
+    print(f"\n(c) trace replay: {args.trace}")
+    print(f"  subset: requests whose first hash id is in a {args.root_frac:g} sample (seed "
+          f"{args.seed}) of the {len({r.hash_ids[0] for r in rows})} prefix roots: "
+          f"{len(subset)} of {len(rows)} requests, {num_blocks} blocks, {sizes.unique} unique; "
+          f"ideal block hit rate {plain:.3f} ({ideal:.3f} leaving each prompt's last block)")
+    print(f"  scaled: 1 hash id ({MOONCAKE_BLOCK_TOKENS} tokens in the trace) -> 1 block of "
+          f"{args.block_size} seeded token ids (x{args.block_size / MOONCAKE_BLOCK_TOKENS:g}); "
+          f"input_length replaced by len(hash_ids) * {args.block_size}; output_length capped at "
+          f"{args.max_output}; prompts cut to {model.max_position_embeddings} tokens of context")
+    print(f"  replay: closed loop, {args.in_flight} requests in flight, trace order, same for "
+          f"every config; TTFT = add_request to the first output token")
+    print(f"  tiers (blocks; fraction of the {sizes.unique} unique): device {sizes.device} "
+          f"({sizes.device / sizes.unique:.2f}), host {sizes.host} "
+          f"({sizes.host / sizes.unique:.2f}), disk {sizes.disk} ({sizes.disk / sizes.unique:.2f})",
+          flush=True)
+    return subset, sizes, ideal
+
+
+def run_replays(rows: List[TraceRequest], model: ModelConfig, args: argparse.Namespace,
+                directory: Path) -> Dict[str, object]:
+    subset, sizes, ideal = prepare_trace(rows, model, args)
+    tokens = BlockTokens(args.block_size, model.vocab_size)
+    prompts = [tokens.prompt(r.hash_ids) for r in subset]
+    outputs = [r.output_length for r in subset]
+    results = []
+    for name in CONFIGS:
+        config = engine_config(name, args, sizes, directory)
+        result = replay(name, config, prompts, outputs, model.vocab_size)
+        result.load_average = os.getloadavg()[0]
+        print(f"  {name:<12} {result.wall_s:7.1f} s  hit rate {result.hit_rate:.3f}  mean TTFT "
+              f"{result.ttft_ms():.1f} ms  (load average {result.load_average:.1f})", flush=True)
+        results.append(result)
+    print_replay(results, ideal)
+    figures: Dict[str, object] = {
+        "num_requests": len(subset), "num_trace_requests": len(rows),
+        "num_blocks": sum(len(r.hash_ids) for r in subset), "num_unique_blocks": sizes.unique,
+        "ideal_hit_rate": ideal, "root_frac": args.root_frac, "in_flight": args.in_flight,
+        "device_blocks": sizes.device, "host_blocks": sizes.host, "disk_kv_blocks": sizes.disk,
+        "device_frac": sizes.device / sizes.unique, "host_frac": sizes.host / sizes.unique,
+        "token_scale": args.block_size / MOONCAKE_BLOCK_TOKENS, "max_output": args.max_output}
+    for r in results:
+        figures.update({f"hit_rate_{r.name}": r.hit_rate, f"ttft_ms_{r.name}": r.ttft_ms(),
+                        f"ttft_p50_ms_{r.name}": r.ttft_ms(0.5),
+                        f"ttft_p99_ms_{r.name}": r.ttft_ms(0.99),
+                        f"replay_wall_s_{r.name}": r.wall_s,
+                        f"preemptions_{r.name}": r.num_preemptions})
+        if r.name != "device_only":
+            figures.update(tier_extras(r))
+    return figures
+
+
+def verdict(figures: Dict[str, object]) -> Dict[str, object]:
+    """The issue's targets, met or not, printed and returned."""
+    base = figures["hit_rate_device_only"]
+    gains = {name: figures[f"hit_rate_{name}"] / base if base else None
+             for name in ("lru", "hotness")}  # None: device-only never hit
+    winner = "hotness" if figures["ttft_ms_hotness"] < figures["ttft_ms_lru"] else "lru"
+    hit_winner = ("tie" if figures["hit_rate_hotness"] == figures["hit_rate_lru"] else
+                  "hotness" if figures["hit_rate_hotness"] > figures["hit_rate_lru"] else "lru")
+    met = {"host_copy_ratio_ge_0.8": figures["host_copy_ratio"] >= TARGET_COPY_RATIO,
+           "disk_ratio_ge_0.8": figures["disk_ratio"] >= TARGET_DISK_RATIO,
+           **{f"spill_hit_gain_{name}_ge_1.5": (figures[f"hit_rate_{name}"] > 0 if gain is None
+                                                 else gain >= TARGET_SPILL_GAIN)
+              for name, gain in gains.items()}}
+    print("\ntargets:")
+    print(f"  tier copies >= {TARGET_COPY_RATIO:.0%} of plain copy_: "
+          f"{figures['host_copy_ratio']:.2f} -> {_met(met['host_copy_ratio_ge_0.8'])}")
+    print(f"  disk >= {TARGET_DISK_RATIO:.0%} of raw O_DIRECT: {figures['disk_ratio']:.2f} -> "
+          f"{_met(met['disk_ratio_ge_0.8'])}")
+    for name, gain in gains.items():
+        shown = "device-only 0" if gain is None else f"{gain:.2f}x"
+        print(f"  hit rate with spill ({name}) >= {TARGET_SPILL_GAIN}x device-only: {shown} "
+              f"-> {_met(met[f'spill_hit_gain_{name}_ge_1.5'])}")
+    print(f"  hotness vs LRU: hit rate {figures['hit_rate_hotness']:.3f} vs "
+          f"{figures['hit_rate_lru']:.3f}, mean TTFT {figures['ttft_ms_hotness']:.1f} vs "
+          f"{figures['ttft_ms_lru']:.1f} ms: {hit_winner} on hit rate, {winner} on TTFT")
+    return {"spill_hit_gain_lru": gains["lru"], "spill_hit_gain_hotness": gains["hotness"],
+            "hit_rate_winner": hit_winner, "ttft_winner": winner, "targets_met": met}
+
+
+def _met(flag: bool) -> str:
+    return "met" if flag else "NOT met"
+
+
+def run(args: argparse.Namespace) -> Dict[str, object]:
+    started, load_start = time.perf_counter(), os.getloadavg()
+    rows = read_mooncake(args.trace)  # bad files fail before anything is measured
+    model = load_model(args)
+    print(f"machine: {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, load average "
+          f"{load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} at start; KV of "
+          f"{args.model} at TP 1: {model.num_layers} layers, {model.num_kv_heads} KV heads, "
+          f"head_dim {model.head_dim}, block {args.block_size}, fp32", flush=True)
+    if args.disk_dir is not None:
+        args.disk_dir.mkdir(parents=True, exist_ok=True)
+    directory = Path(tempfile.mkdtemp(prefix="bench_kv_tiers_",
+                                      dir=args.disk_dir if args.disk_dir else "/tmp"))
+    try:
+        figures = {**run_copies(model, args), **run_disk(model, args, directory),
+                   **run_replays(rows, model, args, directory)}
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    figures.update(verdict(figures))
+    load_end = os.getloadavg()
+    wall_s = time.perf_counter() - started
+    print(f"\nload average {load_end[0]:.2f} at the end; {wall_s:.0f} s in all")
+    return {"model": resolve_model_path(args.model).name, "block_size": args.block_size,
+            "quick": args.quick, **figures, "load_average_start": load_start[0],
+            "load_average_end": load_end[0], "torch_threads": torch.get_num_threads(),
+            "bench_wall_s": wall_s}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        result = run(args)
+    except BenchInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

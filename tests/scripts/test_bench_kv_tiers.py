@@ -1,0 +1,128 @@
+"""scripts/bench_kv_tiers.py: end to end in --quick mode on a tiny checkpoint, its errors on bad
+trace files, and its pure parts (trace subset, context fitting, ideal hit rate, token blocks)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "bench_kv_tiers.py"
+
+REQUIRED_KEYS = (
+    "host_copy_ratio", "disk_ratio", "hit_rate_device_only", "hit_rate_lru", "hit_rate_hotness",
+    "ttft_ms_device_only", "ttft_ms_lru", "ttft_ms_hotness",
+)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_kv_tiers", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_kv_tiers"] = module  # dataclasses look their module up while defining
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def write_trace(path: Path, hash_lists, output_length: int = 5) -> Path:
+    lines = [json.dumps({"timestamp": 100 * i, "input_length": 512 * len(h),
+                         "output_length": output_length, "hash_ids": h})
+             for i, h in enumerate(hash_lists)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def reuse_trace():
+    """8 documents of 4 blocks, each asked 3 times in turn with 2 fresh blocks per request: the
+    reuse distance (8 requests, 48 blocks) is beyond the quick run's device pool (14 blocks)."""
+    fresh = iter(range(1000, 2000))
+    return [[10 * doc + k for k in range(4)] + [next(fresh), next(fresh)]
+            for _ in range(3) for doc in range(8)]
+
+
+@pytest.mark.slow
+def test_quick_run_prints_sane_json_last(tmp_path, tiny_llama):
+    trace = write_trace(tmp_path / "trace.jsonl", reuse_trace())
+    disk_dir = tmp_path / "disk"
+    proc = run_bench("--quick", "--model", str(tiny_llama), "--trace", str(trace),
+                     "--disk-dir", str(disk_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(REQUIRED_KEYS) <= set(result)
+    assert result["host_copy_ratio"] > 0 and result["disk_ratio"] > 0
+    for name in ("device_only", "lru", "hotness"):
+        assert 0 <= result[f"hit_rate_{name}"] <= 1
+        assert result[f"ttft_ms_{name}"] > 0
+    assert result["hit_rate_lru"] >= result["hit_rate_device_only"]
+    assert result["hit_rate_lru"] > 0 and result["num_requests"] == 24
+    assert result["lru_checksum_failures_total"] == 0
+    assert result["hotness_checksum_failures_total"] == 0
+    assert list(disk_dir.iterdir()) == []  # the run's own subdirectory is removed
+    assert "scaled" in proc.stdout and "closed loop" in proc.stdout
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("", "no requests"),
+    ("not json\n", "line 1"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 3}\n', "hash_ids"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 3, "hash_ids": []}\n', "non-empty"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 0, "hash_ids": [1]}\n',
+     "output_length"),
+])
+def test_read_mooncake_errors_name_the_file(bench, tmp_path, text, expected):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(text)
+    with pytest.raises(bench.BenchInputError, match=expected) as info:
+        bench.read_mooncake(trace)
+    assert str(trace) in str(info.value)
+    with pytest.raises(bench.BenchInputError, match="cannot read"):
+        bench.read_mooncake(tmp_path / "absent.jsonl")
+
+
+def test_malformed_trace_exits_nonzero_naming_the_file(tmp_path):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0}\n')
+    proc = run_bench("--quick", "--trace", str(trace), timeout=120)
+    assert proc.returncode == 2
+    assert str(trace) in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sample_roots_keeps_whole_prefix_families_in_order(bench):
+    rows = [bench.TraceRequest((root, 100 + i), 1) for i, root in enumerate([1, 2, 1, 3, 2, 1])]
+    subset = bench.sample_roots(rows, 0.5, seed=0)
+    roots = {r.hash_ids[0] for r in subset}
+    assert len(roots) == 2
+    assert subset == [r for r in rows if r.hash_ids[0] in roots]
+    assert bench.sample_roots(rows, 1.0, seed=0) == rows
+
+
+def test_fit_context_caps_outputs_and_cuts_prompts(bench):
+    rows = [bench.TraceRequest(tuple(range(20)), 50), bench.TraceRequest((1, 2), 1)]
+    fitted = bench.fit_context(rows, max_output=4, block_size=16, max_model_len=100)
+    assert fitted == [bench.TraceRequest(tuple(range(6)), 4), bench.TraceRequest((1, 2), 1)]
+
+
+def test_ideal_hit_rate_counts_whole_prefixes(bench):
+    rows = [bench.TraceRequest(h, 1) for h in [(1, 2, 3), (1, 2, 4), (5, 2, 3), (1, 2, 3)]]
+    # Hits: 0, then 1 and 2 (of 1,2,4), none for 5,2,3 (another prefix), then all 3 (engine: 2).
+    assert bench.ideal_hit_rate(rows) == (5 / 12, 4 / 12)
+
+
+def test_block_tokens_are_deterministic_and_in_range(bench):
+    tokens = bench.BlockTokens(block_size=4, vocab_size=50)
+    prompt = tokens.prompt([7, 9, 7])
+    assert len(prompt) == 12 and prompt[:4] == prompt[8:] and prompt[:4] != prompt[4:8]
+    assert all(bench.MIN_TOKEN_ID <= t < 50 for t in prompt)
+    assert bench.BlockTokens(4, 50).prompt([7]) == prompt[:4]
