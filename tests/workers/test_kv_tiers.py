@@ -7,8 +7,12 @@ The device pool (16 blocks of 4 tokens) holds one request at a time, so three pr
 only on host (or, with a 6-block host tier, on disk).
 """
 
+import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -216,3 +220,45 @@ def test_tp2_spills_to_host_and_disk_and_matches_transformers(model_dir, referen
         assert tiers.disk.num_hits > 0
         assert tiers.stats.num_checksum_failures == 0
     assert (tmp_path / "kv" / "rank1" / "blocks.bin").stat().st_size > 0
+
+
+def test_truncated_disk_file_degrades_to_recompute(model_dir, references, tmp_path):
+    """Reads past the end fail (short read); slots in the hole that later writes leave behind
+    read back as zeros and fail their checksum. Either way: counted, recomputed, served."""
+    disk_dir = tmp_path / "kv"
+    cfg = config(model_dir, host_kv_blocks=2, disk_kv_dir=str(disk_dir), disk_kv_blocks=64)
+    with LLM(cfg) as llm:
+        assert generate(llm, FIRST) == references[:3]
+        tiers = tier_stats(llm)
+        os.truncate(disk_dir / "rank0" / "blocks.bin", 0)
+        assert generate(llm, SECOND) == references[3:]
+        assert tiers.stats.num_io_errors + tiers.stats.num_checksum_failures > 0
+        assert tiers.disk.num_hits > 0  # the engine did try to read them
+
+
+WRITE_LIMIT_SCRIPT = """
+import json, resource, signal, sys
+from workers.config import EngineConfig
+from workers.llm import LLM
+from workers.sampling_params import SamplingParams
+args = json.loads(sys.argv[1])
+with LLM(EngineConfig(**args["config"])) as llm:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    # From here on the process may not write past 3 disk slots: writes beyond fail with EFBIG.
+    resource.setrlimit(resource.RLIMIT_FSIZE, (3 * 4096, resource.RLIM_INFINITY))
+    params = SamplingParams(max_tokens=args["max_new"], temperature=0.0)
+    outs = [o.output_token_ids for o in llm.generate(args["prompts"], params)]
+    print(json.dumps({"outs": outs, "io_errors": llm.engine.scheduler.kv.tiers.stats.num_io_errors}))
+"""
+
+
+def test_disk_write_errors_degrade_to_recompute(model_dir, references, tmp_path):
+    cfg = dict(model=str(model_dir), block_size=BLOCK, num_kv_blocks=16, max_num_seqs=1,
+               host_kv_blocks=2, disk_kv_dir=str(tmp_path / "kv"), disk_kv_blocks=64)
+    payload = json.dumps({"config": cfg, "prompts": FIRST + SECOND, "max_new": MAX_NEW})
+    result = subprocess.run([sys.executable, "-c", WRITE_LIMIT_SCRIPT, payload],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["outs"] == references
+    assert report["io_errors"] > 0
