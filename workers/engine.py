@@ -33,8 +33,8 @@ from workers.sampler import SampledToken, sample
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from workers.step_plan import StepPlan, broadcast_plan
-from workers.tier_setup import (RankTierConfig, build_kv_manager, model_identity, save_token_index,
-                                tier_sizes)
+from workers.tier_setup import (RankTierConfig, build_kv_manager, claim_engine_dir,
+                                model_identity, save_token_index, tier_sizes)
 from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ class LLMEngine:
         serving layer passes Ray actors); ``init_host`` is the address rank 0 listens on."""
         self.config = config
         self._init_host = init_host
+        self._disk_lock = None  # this engine's claim on a directory under --disk-kv-dir
         self.model_dir = resolve_model_path(config.model)
         self.model_config = load_model_config(self.model_dir)
         self.model_config.check_tp_size(config.tp_size)
@@ -98,14 +99,9 @@ class LLMEngine:
         self.rank = build_rank(rank_configs[0])
         if self._children is not None:
             self._children.wait_ready()
-        tier_config = rank_configs[0].tiers
-        self._tier_identity = tier_config.identity if tier_config else ""
-        kv = build_kv_manager(
-            config, self.num_kv_blocks,
-            tier_config.num_host_blocks if tier_config else 0,
-            tier_config.num_disk_blocks if tier_config else 0,
-            tier_config.identity if tier_config else "",
-            self.rank.tiers.recovered_disk_tags if self.rank.tiers else {})
+        self._tier_config = rank_configs[0].tiers
+        kv = build_kv_manager(config, self.num_kv_blocks, self._tier_config,
+                              self.rank.tiers.recovered_disk_tags if self.rank.tiers else {})
         self._last_snapshot = time.monotonic()
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), kv)
@@ -148,7 +144,11 @@ class LLMEngine:
             return None
         num_host, num_disk = tier_sizes(cfg, self._block_spec(dtype).bytes_per_block)
         identity = model_identity(self.model_dir, dtype_name, cfg.block_size, cfg.tp_size)
-        return RankTierConfig(num_host, cfg.disk_kv_dir, num_disk, identity)
+        engine_dir = None
+        if cfg.disk_kv_dir is not None:
+            path, self._disk_lock = claim_engine_dir(cfg.disk_kv_dir)
+            engine_dir = str(path)
+        return RankTierConfig(num_host, engine_dir, num_disk, identity)
 
     def _block_spec(self, dtype: torch.dtype) -> KVCacheSpec:
         """One block of one rank's KV pool."""
@@ -253,8 +253,8 @@ class LLMEngine:
             return
         self._last_snapshot = time.monotonic()
         tiers.save_index()
-        assert self.config.disk_kv_dir is not None
-        save_token_index(self.config.disk_kv_dir, self._tier_identity, tiers)
+        assert self._tier_config is not None and self._tier_config.disk_dir is not None
+        save_token_index(self._tier_config.disk_dir, self._tier_config.identity, tiers)
 
     def _drain_transfers(self) -> None:
         """Run every queued transfer to completion and commit it (a plan with nothing to compute)."""
@@ -359,6 +359,8 @@ class LLMEngine:
                     self._children.join()
                     self.rank.tp.destroy()
             self.rank.close()
+            if self._disk_lock is not None:
+                self._disk_lock.release()
 
     def __enter__(self) -> "LLMEngine":
         return self

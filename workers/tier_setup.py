@@ -1,6 +1,8 @@
 """Building the KV tiers: each rank's storage and transfer engine, and rank 0's bookkeeping.
 
-On disk, each rank owns ``<disk_kv_dir>/rank<r>/``: ``blocks.bin`` (its shard of every disk block),
+An engine claims the first ``<disk_kv_dir>/engine<i>/`` no other engine holds (so several groups
+on one host can share a directory, and a restarted one finds its blocks again); each of its ranks
+owns ``engine<i>/rank<r>/``: ``blocks.bin`` (its shard of every disk block),
 ``checksums.snapshot`` (slot -> tag, checksum) and, on rank 0, ``tokens.snapshot`` (slot -> block
 hash and tokens, what a prefix lookup needs). A snapshot carries the identity of the model and KV
 layout that wrote it; one from another model, another TP size or a truncated one is ignored with a
@@ -48,7 +50,7 @@ class RankTierConfig:
     """What one rank needs to build its tiers (picklable: it travels to the rank's process)."""
 
     num_host_blocks: int
-    disk_dir: Optional[str]
+    disk_dir: Optional[str]  # this engine's directory (``engine<i>``) under --disk-kv-dir
     num_disk_blocks: int
     identity: str  # the model and KV layout the disk blocks belong to
 
@@ -107,8 +109,23 @@ def tier_sizes(config: EngineConfig, bytes_per_block: int) -> Tuple[int, int]:
     return host, disk
 
 
-def rank_dir(disk_dir: str, rank: int) -> Path:
-    return Path(disk_dir) / f"rank{rank}"
+_MAX_ENGINES_PER_DIR = 64
+
+
+def claim_engine_dir(disk_kv_dir: str) -> Tuple[Path, DirectoryLock]:
+    """The first ``engine<i>`` directory under ``disk_kv_dir`` that no running engine holds."""
+    for index in range(_MAX_ENGINES_PER_DIR):
+        directory = Path(disk_kv_dir) / f"engine{index}"
+        try:
+            return directory, lock_directory(directory)
+        except RuntimeError:
+            continue
+    raise RuntimeError(f"--disk-kv-dir {disk_kv_dir}: {_MAX_ENGINES_PER_DIR} engines already "
+                       "use it; give this one another directory")
+
+
+def rank_dir(engine_dir: str, rank: int) -> Path:
+    return Path(engine_dir) / f"rank{rank}"
 
 
 def build_rank_tiers(config: RankTierConfig, kv_cache: KVCache, rank: int,
@@ -154,8 +171,8 @@ def _signed64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def build_kv_manager(config: EngineConfig, num_blocks: int, num_host_blocks: int,
-                     num_disk_blocks: int, identity: str,
+def build_kv_manager(config: EngineConfig, num_blocks: int,
+                     rank_config: Optional[RankTierConfig],
                      recovered_disk_tags: Dict[int, int]) -> KVCacheManager:
     """Rank 0's block manager, with host and disk tier bookkeeping when configured."""
     tracker = HotnessTracker(config.kv_hotness_decay) if config.kv_eviction == "hotness" else None
@@ -165,24 +182,24 @@ def build_kv_manager(config: EngineConfig, num_blocks: int, num_host_blocks: int
 
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_cache,
                         policy(config.kv_pin_threshold), tracker)
-    if not config.has_host_tier:
+    if rank_config is None:
         return kv
-    host = TierIndex("host", num_host_blocks, policy(None))
+    host = TierIndex("host", rank_config.num_host_blocks, policy(None))
     disk = None
-    if config.disk_kv_dir is not None:
-        disk = TierIndex("disk", num_disk_blocks, policy(None))
-        disk.restore_entries(_recovered_entries(config.disk_kv_dir, identity,
+    if rank_config.disk_dir is not None:
+        disk = TierIndex("disk", rank_config.num_disk_blocks, policy(None))
+        disk.restore_entries(_recovered_entries(rank_config.disk_dir, rank_config.identity,
                                                 recovered_disk_tags))
         if disk.entries:
             logger.info("disk KV tier: %d blocks recovered from %s", len(disk.entries),
-                        config.disk_kv_dir)
+                        rank_config.disk_dir)
     kv.tiers = KVTiers(kv.pool, config.block_size, host, disk)
     return kv
 
 
-def _recovered_entries(disk_dir: str, identity: str,
+def _recovered_entries(engine_dir: str, identity: str,
                        tags: Dict[int, int]) -> Dict[BlockHash, TierEntry]:
-    records = read_snapshot(rank_dir(disk_dir, 0) / TOKENS_FILE, "disk-tokens", identity) or []
+    records = read_snapshot(rank_dir(engine_dir, 0) / TOKENS_FILE, "disk-tokens", identity) or []
     entries: Dict[BlockHash, TierEntry] = {}
     for record in records:
         slot, block_hash, token_ids = record
@@ -191,9 +208,9 @@ def _recovered_entries(disk_dir: str, identity: str,
     return entries
 
 
-def save_token_index(disk_dir: str, identity: str, tiers: KVTiers) -> None:
+def save_token_index(engine_dir: str, identity: str, tiers: KVTiers) -> None:
     """Rank 0's half of a disk snapshot: which block (hash and tokens) each disk slot holds."""
     assert tiers.disk is not None
     records = [[entry.slot, block_hash, list(entry.token_ids)]
                for block_hash, entry in tiers.disk.entries.items()]
-    write_snapshot(rank_dir(disk_dir, 0) / TOKENS_FILE, "disk-tokens", identity, records)
+    write_snapshot(rank_dir(engine_dir, 0) / TOKENS_FILE, "disk-tokens", identity, records)

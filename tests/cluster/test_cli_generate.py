@@ -63,7 +63,7 @@ def test_generate_with_host_and_disk_tiers(tiny_llama, tmp_path):
                      "--kv-eviction", "hotness")
     assert plain.returncode == 0 and tiered.returncode == 0, tiered.stderr
     assert tiered.stdout == plain.stdout
-    assert (tmp_path / "kv" / "rank0" / "tokens.snapshot").exists()
+    assert (tmp_path / "kv" / "engine0" / "rank0" / "tokens.snapshot").exists()
 
 
 @pytest.mark.parametrize("args,match", [

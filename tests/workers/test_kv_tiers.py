@@ -155,7 +155,7 @@ def test_corrupted_disk_block_is_caught_and_recomputed(model_dir, references, tm
         assert on_disk
         slot = tiers.disk.entries[on_disk[0]].slot
         slot_bytes = llm.engine.rank.tiers.disk.slot_bytes
-        _flip_first_byte(str(disk_dir / "rank0" / "blocks.bin"), slot * slot_bytes + 64)
+        _flip_first_byte(str(disk_dir / "engine0" / "rank0" / "blocks.bin"), slot * slot_bytes + 64)
         assert generate(llm, SECOND[:1]) == references[3:4]
         assert tiers.stats.num_checksum_failures == 1
         assert on_disk[0] not in tiers.disk.entries
@@ -182,9 +182,9 @@ def test_restart_reuses_the_disk_tier(model_dir, references, tmp_path, caplog):
         assert tiers.stats.num_checksum_failures == 0
 
     # A truncated snapshot and a stray file: warnings, nothing reused, output still right.
-    snapshot = tmp_path / "truncated" / "rank0" / "tokens.snapshot"
+    snapshot = tmp_path / "truncated" / "engine0" / "rank0" / "tokens.snapshot"
     snapshot.write_bytes(snapshot.read_bytes()[:-10])
-    (tmp_path / "truncated" / "rank0" / "stray.bin").write_bytes(b"x" * 100)
+    (tmp_path / "truncated" / "engine0" / "rank0" / "stray.bin").write_bytes(b"x" * 100)
     caplog.clear()
     with LLM(config(model_dir, host_kv_blocks=4, disk_kv_dir=str(tmp_path / "truncated"),
                     disk_kv_blocks=64)) as llm:
@@ -219,7 +219,7 @@ def test_tp2_spills_to_host_and_disk_and_matches_transformers(model_dir, referen
         assert tiers.host.num_hits + tiers.disk.num_hits > 0
         assert tiers.disk.num_hits > 0
         assert tiers.stats.num_checksum_failures == 0
-    assert (tmp_path / "kv" / "rank1" / "blocks.bin").stat().st_size > 0
+    assert (tmp_path / "kv" / "engine0" / "rank1" / "blocks.bin").stat().st_size > 0
 
 
 def test_truncated_disk_file_degrades_to_recompute(model_dir, references, tmp_path):
@@ -230,7 +230,7 @@ def test_truncated_disk_file_degrades_to_recompute(model_dir, references, tmp_pa
     with LLM(cfg) as llm:
         assert generate(llm, FIRST) == references[:3]
         tiers = tier_stats(llm)
-        os.truncate(disk_dir / "rank0" / "blocks.bin", 0)
+        os.truncate(disk_dir / "engine0" / "rank0" / "blocks.bin", 0)
         assert generate(llm, SECOND) == references[3:]
         assert tiers.stats.num_io_errors + tiers.stats.num_checksum_failures > 0
         assert tiers.disk.num_hits > 0  # the engine did try to read them
@@ -262,3 +262,13 @@ def test_disk_write_errors_degrade_to_recompute(model_dir, references, tmp_path)
     report = json.loads(result.stdout.splitlines()[-1])
     assert report["outs"] == references
     assert report["io_errors"] > 0
+
+
+def test_two_engines_share_a_disk_dir_in_separate_subdirectories(model_dir, references, tmp_path):
+    cfg = config(model_dir, host_kv_blocks=2, disk_kv_dir=str(tmp_path / "kv"), disk_kv_blocks=64)
+    with LLM(cfg) as first, LLM(cfg) as second:
+        assert generate(first, FIRST[:1]) == references[:1]
+        assert generate(second, FIRST[1:2]) == references[1:2]
+        assert {p.name for p in (tmp_path / "kv").iterdir()} == {"engine0", "engine1"}
+    with LLM(cfg) as again:  # both released: a new engine takes engine0 and its blocks back
+        assert len(tier_stats(again).disk.entries) > 0
