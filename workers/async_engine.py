@@ -165,7 +165,8 @@ class AsyncLLMEngine:
         self._load_seq += 1
         return EngineLoad(
             seq=self._load_seq, time=time.time(), kv=sched.kv_usage(),
-            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            # A request loading its prefix from host or disk holds blocks and runs next: running.
+            num_running=len(sched.running) + len(sched.loading), num_waiting=len(sched.waiting),
             num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
             cached_block_hashes=tuple(sched.kv.pool.cached_hashes(self._max_cached_hashes)),
         )
