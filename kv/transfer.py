@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
@@ -28,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from kv.checksum import block_checksum
+from kv.block_copier import BlockCopier
 from kv.disk_index import read_snapshot, write_snapshot
 from kv.disk_store import DiskStore
 from kv.host_buffer import HostBuffer
@@ -116,6 +118,8 @@ class TransferEngine:
         # Default priority: a low-priority copy stream starved by compute can deadlock a step
         # that waits for its restores.
         self._copy_stream = torch.cuda.Stream(kv_cache.data.device) if self._is_cuda else None
+        self._copier = BlockCopier(kv_cache, host, num_threads=_copy_threads())
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tpserve-kv-read")
         # Owned by the worker thread once it starts.
         self._host_entries: Dict[int, _Entry] = {}
         self._disk_entries: Dict[int, _Entry] = (
@@ -222,6 +226,8 @@ class TransferEngine:
         self._is_closed = True
         self._queue.put(None)
         self._worker.join()
+        self._copier.close()
+        self._reader.shutdown(wait=True)
 
     # --- worker side -------------------------------------------------------------------------
 
@@ -248,31 +254,33 @@ class TransferEngine:
             return [OpStatus.IO_ERROR] * len(ops)
 
     def _spill(self, ops: List[Spill]) -> List[OpStatus]:
-        statuses = []
+        for op in ops:
+            self._host_entries.pop(op.host_slot, None)
         with self._on_copy_stream():
-            for op in ops:
-                self._host_entries.pop(op.host_slot, None)
-                statuses.append(_guarded(self._copy_out, op))
-        self._mark_spills_read(len(ops))
-        self._sync_copies()
-        for op, status in zip(ops, statuses):
-            if status is OpStatus.OK:
-                self._host_entries[op.host_slot] = _Entry(op.tag, self._host_checksum(op.host_slot))
-                self.num_bytes_spilled += self._host.block_nbytes
+            checksums = self._copier.copy_out([(op.device_block, op.host_slot) for op in ops],
+                                              lambda: self._mark_spills_read(len(ops)))
+        statuses = []
+        for op, checksum in zip(ops, checksums):
+            if checksum is None:
+                statuses.append(OpStatus.IO_ERROR)
+                continue
+            self._host_entries[op.host_slot] = _Entry(op.tag, checksum)
+            self.num_bytes_spilled += self._host.block_nbytes
+            statuses.append(OpStatus.OK)
         return statuses
 
     def _restore(self, ops: List[Restore]) -> List[OpStatus]:
-        statuses = []
+        expected = []
+        for op in ops:
+            entry = self._host_entries.get(op.host_slot)
+            expected.append(entry.checksum if entry is not None and entry.tag == op.tag else None)
         with self._on_copy_stream():
-            for op in ops:
-                # Hashing first also leaves the bytes in cache for the copy.
-                if not self._host_matches(op.host_slot, op.tag):
-                    statuses.append(OpStatus.CHECKSUM)
-                    continue
-                statuses.append(_guarded(self._copy_in, op))
-        self._sync_copies()
-        self.num_bytes_restored += self._host.block_nbytes * statuses.count(OpStatus.OK)
-        return statuses
+            written = self._copier.copy_in([(op.host_slot, op.device_block, checksum)
+                                            for op, checksum in zip(ops, expected)])
+        self.num_bytes_restored += self._host.block_nbytes * sum(1 for ok in written if ok)
+        # None: the copy itself failed (logged by the copier).
+        return [OpStatus.IO_ERROR if ok is None else OpStatus.OK if ok else OpStatus.CHECKSUM
+                for ok in written]
 
     def _write_disk(self, ops: List[WriteDisk]) -> List[OpStatus]:
         disk = self._require_disk()
@@ -311,24 +319,39 @@ class TransferEngine:
                 statuses[i] = OpStatus.CHECKSUM  # no need to read bytes that cannot match
             elif statuses[i] is OpStatus.OK:
                 todo.append(i)
-        errors = disk.read([ops[i].disk_slot for i in todo],
-                           [self._host.view(ops[i].host_slot) for i in todo])
-        for i, error in zip(todo, errors):
-            statuses[i] = self._verify_read(ops[i], error)
+        # Read in chunks of about one large I/O and verify each chunk while the next is read.
+        per_chunk = max(1, disk.max_io_bytes // disk.slot_bytes)
+        chunks = [todo[i:i + per_chunk] for i in range(0, len(todo), per_chunk)]
+        read = lambda chunk: disk.read([ops[i].disk_slot for i in chunk],  # noqa: E731
+                                       [self._host.view(ops[i].host_slot) for i in chunk])
+        pending = self._reader.submit(read, chunks[0]) if chunks else None
+        for index, chunk in enumerate(chunks):
+            errors = pending.result()
+            if index + 1 < len(chunks):
+                pending = self._reader.submit(read, chunks[index + 1])
+            self._verify_reads([ops[i] for i in chunk], errors, chunk, statuses)
         return statuses
 
-    def _verify_read(self, op: ReadDisk, error: Optional[OSError]) -> OpStatus:
-        if error is not None:
-            logger.error("reading disk slot %d into host slot %d failed: %s",
-                         op.disk_slot, op.host_slot, error)
-            return OpStatus.IO_ERROR
-        self.num_bytes_disk_read += self._host.slot_bytes
-        entry = self._disk_entries[op.disk_slot]
-        if self._host_checksum(op.host_slot) != entry.checksum:
-            logger.warning("disk slot %d: checksum mismatch for tag %#x", op.disk_slot, op.tag)
-            return OpStatus.CHECKSUM
-        self._host_entries[op.host_slot] = entry
-        return OpStatus.OK
+    def _verify_reads(self, ops: List[ReadDisk], errors: List[Optional[OSError]],
+                      indices: List[int], statuses: List[OpStatus]) -> None:
+        """Check the checksums of blocks just read from disk (hashed on the copier's threads)."""
+        read_ok = [op for op, error in zip(ops, errors) if error is None]
+        sums = iter(self._copier.checksums([op.host_slot for op in read_ok]))
+        for index, op, error in zip(indices, ops, errors):
+            if error is not None:
+                logger.error("reading disk slot %d into host slot %d failed: %s",
+                             op.disk_slot, op.host_slot, error)
+                statuses[index] = OpStatus.IO_ERROR
+                continue
+            self.num_bytes_disk_read += self._host.slot_bytes
+            entry = self._disk_entries[op.disk_slot]
+            if next(sums) != entry.checksum:
+                logger.warning("disk slot %d: checksum mismatch for tag %#x", op.disk_slot,
+                               op.tag)
+                statuses[index] = OpStatus.CHECKSUM
+                continue
+            self._host_entries[op.host_slot] = entry
+            statuses[index] = OpStatus.OK
 
     def _save_index(self, ops: List[SaveIndex]) -> List[OpStatus]:
         disk = self._require_disk()
@@ -341,35 +364,6 @@ class TransferEngine:
         return [OpStatus.OK] * len(ops)
 
     # --- helpers -----------------------------------------------------------------------------
-
-    def _copy_out(self, op: Spill) -> None:
-        self._host_block(op.host_slot).copy_(self._device_block(op.device_block),
-                                             non_blocking=self._is_cuda)
-
-    def _copy_in(self, op: Restore) -> None:
-        self._device_block(op.device_block).copy_(self._host_block(op.host_slot),
-                                                  non_blocking=self._is_cuda)
-
-    def _device_block(self, block: int) -> torch.Tensor:
-        spec = self._kv.spec
-        if not 0 <= block < spec.num_blocks:
-            raise IndexError(f"device block {block} out of range, expected 0 <= block < "
-                             f"{spec.num_blocks}")
-        return self._kv.data[:, :, block * spec.block_size:(block + 1) * spec.block_size]
-
-    def _host_block(self, slot: int) -> torch.Tensor:
-        """Host slot ``slot`` typed like a device block: ``[L, 2, block_size, H, D]``."""
-        spec = self._kv.spec
-        return self._host.slot(slot).view(spec.dtype).view(
-            spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
-
-    def _host_checksum(self, slot: int) -> int:
-        return block_checksum(self._host.view(slot)[:self._host.block_nbytes])
-
-    def _host_matches(self, slot: int, tag: int) -> bool:
-        entry = self._host_entries.get(slot)
-        return (entry is not None and entry.tag == tag
-                and self._host_checksum(slot) == entry.checksum)
 
     def _check_disk_op(self, op: TierOp) -> OpStatus:
         """OK if the op's slots exist; else IO_ERROR (logged) without failing its group."""
@@ -401,13 +395,6 @@ class TransferEngine:
                 self._spills_read_event = event
             self._cond.notify_all()
 
-    def _sync_copies(self) -> None:
-        """Wait for the copies issued on the copy stream (CPU copies are already done)."""
-        if self._copy_stream is not None:
-            copies_done = torch.cuda.Event()
-            copies_done.record(self._copy_stream)
-            copies_done.synchronize()
-
     def _load_index(self) -> Dict[int, _Entry]:
         records = read_snapshot(self._index_path, INDEX_KIND, self._identity) or []
         entries: Dict[int, _Entry] = {}
@@ -427,11 +414,6 @@ def _is_index_record(record: object, num_slots: int) -> bool:
             and 0 <= record[0] < num_slots)
 
 
-def _guarded(copy: Callable[[TierOp], None], op: TierOp) -> OpStatus:
-    """Run ``copy(op)``; an unexpected exception fails only this op (IO_ERROR, logged)."""
-    try:
-        copy(op)
-    except Exception:
-        logger.exception("tier op %s failed", op)
-        return OpStatus.IO_ERROR
-    return OpStatus.OK
+def _copy_threads() -> int:
+    """Threads that copy and hash blocks: the cores torch computes on, at most four."""
+    return max(1, min(4, torch.get_num_threads(), os.cpu_count() or 1))
