@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from typing import List, Sequence, Union
 
 from workers.config import EngineConfig
 from workers.engine import LLMEngine, RequestOutput

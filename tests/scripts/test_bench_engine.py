@@ -3,19 +3,16 @@ its pure parts (trace reading, length clamping, the roofline's byte and FLOP cou
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench_scripts import load_script, run_script, script_path
+
 from workers.model_config import load_model_config
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "bench_engine.py"
+SCRIPT = script_path("bench_engine")
 
 REQUIRED_KEYS = (
     "tokens_per_s", "total_tokens_per_s", "hf_generate_tokens_per_s", "hf_cb_tokens_per_s",
@@ -30,17 +27,11 @@ PER_WORKLOAD_RATES = ("tokens_per_s", "total_tokens_per_s", "hf_generate_tokens_
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_engine"] = module  # dataclasses look their module up while defining
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_engine")
 
 
-def run_bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+def run_bench(*args: str, timeout: int = 300):
+    return run_script("bench_engine", *args, timeout=timeout)
 
 
 def write_trace(path: Path, rows) -> Path:

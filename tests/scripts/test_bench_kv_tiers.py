@@ -3,17 +3,14 @@ trace files, and its pure parts (trace subset, context fitting, ideal hit rate, 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "bench_kv_tiers.py"
+from bench_scripts import load_script, run_script, script_path
+
+SCRIPT = script_path("bench_kv_tiers")
 
 REQUIRED_KEYS = (
     "host_copy_ratio", "disk_ratio", "hit_rate_device_only", "hit_rate_lru", "hit_rate_hotness",
@@ -23,17 +20,11 @@ REQUIRED_KEYS = (
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kv_tiers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_kv_tiers"] = module  # dataclasses look their module up while defining
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_kv_tiers")
 
 
-def run_bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+def run_bench(*args: str, timeout: int = 300):
+    return run_script("bench_kv_tiers", *args, timeout=timeout)
 
 
 def write_trace(path: Path, hash_lists, output_length: int = 5) -> Path:

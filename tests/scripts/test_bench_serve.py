@@ -3,18 +3,15 @@ bad trace files, and its pure parts (trace formats, scaling, shared Mooncake pre
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "bench_serve.py"
+from bench_scripts import load_script, run_script, script_path
+
+SCRIPT = script_path("bench_serve")
 
 REQUIRED_KEYS = (
     "ttft_p99_ms", "ttft_p99_ms_pow2", "ttft_p50_ms", "ttft_p50_ms_pow2", "itl_p99_ms",
@@ -27,17 +24,11 @@ REQUIRED_KEYS = (
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serve"] = module  # dataclasses look their module up while defining
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_serve")
 
 
-def run_bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+def run_bench(*args: str, timeout: int = 600):
+    return run_script("bench_serve", *args, timeout=timeout)
 
 
 def write_azure(path: Path, rows) -> Path:
