@@ -1,5 +1,6 @@
 """The metrics store and the `/metrics` text, parsed back with prometheus-client's parser."""
 
+import asyncio
 import collections
 import math
 
@@ -164,3 +165,40 @@ def test_token_buckets():
 def test_empty_render_parses():
     families, _ = parse(m.IngressMetrics("x", 16).render({}, {}))
     assert "tpserve:time_to_first_token_seconds" in families
+
+
+def test_a_tiered_engines_numbers_reach_metrics_text(tiny_llama, tmp_path):
+    """A real engine with host and disk tiers: its group snapshot carries the kv_tier_* numbers
+    and /metrics renders them (counters, gauges, the transfer latency histogram)."""
+    from cluster.group_deployment import group_metrics_snapshot
+    from workers.async_engine import AsyncLLMEngine
+    from workers.config import EngineConfig
+    from workers.engine import LLMEngine
+    from workers.sampling_params import SamplingParams
+
+    config = EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=16, max_num_seqs=1,
+                          host_kv_blocks=4, disk_kv_dir=str(tmp_path / "kv"), disk_kv_blocks=32)
+    engine = AsyncLLMEngine(lambda: LLMEngine(config))
+
+    async def one(prompt, request_id):
+        return [out async for out in engine.generate(prompt, SamplingParams(max_tokens=2),
+                                                       request_id)]
+
+    try:
+        for number, prompt in enumerate(([5] * 30 + [6], [7] * 30 + [8], [5] * 30 + [9])):
+            asyncio.run(one(prompt, f"r{number}"))
+        snapshot = group_metrics_snapshot(engine)
+    finally:
+        engine.shutdown()
+    assert snapshot["kv_tier_spilled_bytes_total"] > 0
+    assert snapshot["kv_tier_disk_written_bytes_total"] > 0
+    store = m.MetricsStore()
+    store.push("g0", snapshot)
+    _, samples = parse(m.IngressMetrics("tiny", 256).render(store.snapshot(), {}))
+    g0 = labels(model_name="tiny", group="g0")
+    assert samples[("tpserve:kv_tier_host_blocks_total", g0)] == 4
+    assert samples[("tpserve:kv_tier_disk_blocks_total", g0)] == 32
+    assert samples[("tpserve:kv_tier_spilled_bytes_total", g0)] == snapshot[
+        "kv_tier_spilled_bytes_total"]
+    assert samples[("tpserve:kv_tier_checksum_failures_total", g0)] == 0
+    assert samples[("tpserve:kv_tier_transfer_latency_seconds_count", g0)] >= 1
