@@ -99,6 +99,7 @@ class TierStats:
     num_checksum_failures: int = 0
     num_io_errors: int = 0
     num_swapped_out: int = 0  # preempted requests' partial blocks kept on host
+    num_swapped_in: int = 0  # of which copied back when their request resumed
 
 
 class KVTiers:
@@ -156,6 +157,7 @@ class KVTiers:
             "checksum_failures_total": self.stats.num_checksum_failures,
             "io_errors_total": self.stats.num_io_errors,
             "swapped_out_total": self.stats.num_swapped_out,
+            "swapped_in_total": self.stats.num_swapped_in,
         }
         if self.disk is not None:
             out.update({
@@ -218,6 +220,7 @@ class KVTiers:
         if swapped is not None:
             slot, tag, block = swapped
             self._issue(Restore(slot, block.block_id, tag), _ChainStep(chain, len(hits), slot, False))
+            self.stats.num_swapped_in += 1
         chain.last_ticket = self.num_issued - 1
         return chain
 
