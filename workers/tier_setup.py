@@ -199,13 +199,26 @@ def build_kv_manager(config: EngineConfig, num_blocks: int,
 
 def _recovered_entries(engine_dir: str, identity: str,
                        tags: Dict[int, int]) -> Dict[BlockHash, TierEntry]:
-    records = read_snapshot(rank_dir(engine_dir, 0) / TOKENS_FILE, "disk-tokens", identity) or []
+    path = rank_dir(engine_dir, 0) / TOKENS_FILE
+    records = read_snapshot(path, "disk-tokens", identity) or []
     entries: Dict[BlockHash, TierEntry] = {}
+    slots = set()
     for record in records:
+        if not _is_token_record(record):
+            logger.warning("%s: record %.80r is not [slot, block hash, [token ids]]; the snapshot "
+                           "is ignored", path, record)
+            return {}
         slot, block_hash, token_ids = record
-        if tags.get(slot) == block_hash and block_hash not in entries:
+        if tags.get(slot) == block_hash and block_hash not in entries and slot not in slots:
             entries[BlockHash(block_hash)] = TierEntry(slot, tuple(token_ids))
+            slots.add(slot)
     return entries
+
+
+def _is_token_record(record: object) -> bool:
+    return (isinstance(record, list) and len(record) == 3
+            and all(isinstance(v, int) for v in record[:2]) and isinstance(record[2], list)
+            and all(isinstance(t, int) for t in record[2]))
 
 
 def save_token_index(engine_dir: str, identity: str, tiers: KVTiers) -> None:
