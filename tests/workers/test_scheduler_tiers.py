@@ -1,0 +1,102 @@
+"""The scheduler with a host tier, without a model: a request whose prefix is on host waits in
+``loading`` while the others keep running, and starts after its blocks once the ranks agree the
+copies finished; a failed copy makes it compute from that block on."""
+
+import torch
+
+from kv.eviction import LRUPolicy
+from kv.kv_manager import KVCacheManager
+from kv.tier_index import TierIndex
+from kv.tier_ops import OpStatus, Restore, Spill, TierOpResults
+from kv.tiers import KVTiers
+from workers.request import FinishReason, Request, RequestStatus
+from workers.sampler import SampledToken
+from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler, SchedulerConfig
+
+BLOCK = 2
+
+
+class Harness:
+    """Steps the scheduler like the engine does; the ranks' transfers succeed unless told."""
+
+    def __init__(self, num_blocks, host_blocks=16):
+        self.kv = KVCacheManager(num_blocks, BLOCK)
+        self.kv.tiers = KVTiers(self.kv.pool, BLOCK, TierIndex("host", host_blocks, LRUPolicy()))
+        self.scheduler = Scheduler(SchedulerConfig(64, 4), self.kv)
+        self.num_requests = 0
+
+    def add(self, prompt):
+        request = Request(f"r{self.num_requests}", self.num_requests, list(prompt),
+                          SamplingParams(max_tokens=4), torch.Generator())
+        self.num_requests += 1
+        self.scheduler.add(request)
+        return request
+
+    def step(self):
+        step = self.scheduler.schedule()
+        tiers = self.kv.tiers
+        results = None
+        if tiers.has_outstanding:
+            first = tiers.num_committed
+            results = TierOpResults(first, (OpStatus.OK,) * (tiers.num_issued - first))
+        self.scheduler.update(step, results)
+        for request, _ in step.scheduled:
+            if request.status == RequestStatus.RUNNING and \
+                    request.num_computed_tokens == request.num_tokens:
+                request.append_token(SampledToken(3))
+        return step
+
+
+def test_a_request_restoring_from_host_waits_while_others_run():
+    h = Harness(num_blocks=8)
+    a = h.add([10, 11, 12, 13, 14, 15])
+    h.step()
+    h.scheduler.finish(a, FinishReason.STOP)  # its 3 full blocks are written through to host
+    spills = h.step().plan.tier_ops
+    assert [type(op) for op in spills] == [Spill] * 3
+    d = h.add(list(range(20, 36)))  # 8 blocks: evicts a's blocks from the device
+    h.step()
+    h.scheduler.finish(d, FinishReason.STOP)
+    h.step()
+    c = h.add([40, 41, 42])
+    h.step()
+    assert c.status == RequestStatus.RUNNING
+    b = h.add([10, 11, 12, 13, 14, 15, 16, 17])  # a's prefix: only on host now
+
+    step = h.step()
+    assert b.status == RequestStatus.RUNNING and b.num_computed_tokens == 6  # restored
+    assert [type(op) for op in step.plan.tier_ops].count(Restore) == 3
+    assert [s.seq_id for s in step.plan.seqs] == [c.seq_id]  # c ran; b waited for its blocks
+    assert h.kv.tiers.host.num_hits == 3
+
+    step = h.step()
+    assert {s.seq_id for s in step.plan.seqs} == {b.seq_id, c.seq_id}
+    b_step = next(s for s in step.plan.seqs if s.seq_id == b.seq_id)
+    assert b_step.num_computed == 6 and b_step.token_ids == (16, 17)
+
+
+def test_a_failed_restore_truncates_the_prefix_and_drops_the_rest():
+    h = Harness(num_blocks=6)
+    a = h.add([10, 11, 12, 13, 14, 15])
+    h.step()
+    h.scheduler.finish(a, FinishReason.STOP)
+    h.step()
+    d = h.add(list(range(20, 32)))  # 6 blocks: evicts a's
+    h.step()
+    h.scheduler.finish(d, FinishReason.STOP)
+    b = h.add([10, 11, 12, 13, 14, 15, 16])
+    step = h.scheduler.schedule()  # d's spills, then b's three restores
+    ops = step.plan.tier_ops
+    restores = [op for op in ops if isinstance(op, Restore)]
+    assert len(restores) == 3 and b.status == RequestStatus.LOADING
+    tiers = h.kv.tiers
+    statuses = [OpStatus.OK] * len(ops)
+    statuses[ops.index(restores[1])] = OpStatus.CHECKSUM  # the ranks: the 2nd block is corrupt
+    h.scheduler.update(step, TierOpResults(tiers.num_committed, tuple(statuses)))
+    assert b.status == RequestStatus.RUNNING and b.num_computed_tokens == 2  # first block only
+    assert tiers.stats.num_checksum_failures == 1
+    # the corrupt block and its descendant left the host tier; the block before it stays
+    assert restores[0].tag in tiers.host.entries
+    assert restores[1].tag not in tiers.host.entries and restores[2].tag not in tiers.host.entries
+    assert h.scheduler.schedule().plan.seqs[0].num_computed == 2  # computes from block 2 on
