@@ -48,7 +48,6 @@ The last line printed is one JSON object with every figure; ``--steps-out`` writ
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import random
@@ -61,6 +60,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+SCRIPTS = Path(__file__).resolve().parent
+if str(SCRIPTS) not in sys.path:  # imported by path (tests): the trace readers live beside it
+    sys.path.insert(0, str(SCRIPTS))
+
 import torch  # noqa: E402
 
 from workers.config import EngineConfig  # noqa: E402
@@ -69,16 +72,16 @@ from workers.llm import LLM  # noqa: E402
 from workers.model_config import ModelConfig  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
 
-DEFAULT_TRACE = (Path(__file__).resolve().parents[2]
-                 / "shared/data/traces/AzureLLMInferenceTrace_code.csv")
-TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+from traces import AZURE_CODE_TRACE, TraceError, TraceRequest, read_azure  # noqa: E402
+
+DEFAULT_TRACE = AZURE_CODE_TRACE
 DECODE_PROMPT_RANGE = (16, 48)
 DECODE_OUTPUT_RANGE = (64, 128)
 DEFAULT_DECODE_REQUESTS = 32  # keeps the default run under 10 minutes on a shared 2-core host
 
 
 class BenchInputError(ValueError):
-    """Bad input from the command line or a file; printed without a traceback."""
+    """Bad input from the command line; printed without a traceback (as is a ``TraceError``)."""
 
 
 # ----- workloads -----
@@ -99,36 +102,6 @@ class Workload:
         return sum(self.max_tokens)
 
 
-def read_trace(path: Path, num_requests: int) -> List[Tuple[int, int]]:
-    """The first ``num_requests`` (context, generated) pairs of an Azure-format trace CSV."""
-    try:
-        with open(path, newline="") as f:
-            reader = csv.reader(f)
-            header = next(reader, None)
-            if header is None or tuple(h.strip() for h in header[:3]) != TRACE_COLUMNS:
-                raise BenchInputError(f"trace {path}: expected the header "
-                                      f"{','.join(TRACE_COLUMNS)}, got {header}")
-            rows = [_trace_row(path, line, row) for line, row in
-                    zip(range(2, num_requests + 2), reader)]
-    except OSError as exc:
-        raise BenchInputError(f"trace {path}: cannot read it ({exc.strerror})") from None
-    if len(rows) < num_requests:
-        raise BenchInputError(f"trace {path} has {len(rows)} requests; --num-requests asks "
-                              f"for {num_requests}")
-    return rows
-
-
-def _trace_row(path: Path, line: int, row: Sequence[str]) -> Tuple[int, int]:
-    try:
-        context, generated = int(row[1]), int(row[2])
-    except (IndexError, ValueError):
-        raise BenchInputError(f"trace {path} line {line}: expected integer ContextTokens and "
-                              f"GeneratedTokens, got {list(row)}") from None
-    if context < 0 or generated < 0:
-        raise BenchInputError(f"trace {path} line {line}: negative token count {list(row)}")
-    return context, generated
-
-
 def clamp_lengths(prompt_len: int, output_len: int, max_model_len: int,
                   max_output: Optional[int]) -> Tuple[int, int]:
     """Fit one request in the context: 1 <= output <= max_output, 1 <= prompt, sum <= context."""
@@ -142,10 +115,11 @@ def random_prompts(lengths: Sequence[int], vocab_size: int, rng: random.Random) 
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
 
 
-def prefill_workload(rows: Sequence[Tuple[int, int]], args: argparse.Namespace,
+def prefill_workload(rows: Sequence[TraceRequest], args: argparse.Namespace,
                      max_model_len: int, vocab_size: int) -> Workload:
-    lengths = [clamp_lengths(round(c * args.prompt_scale), round(g * args.output_scale),
-                             max_model_len, args.max_output) for c, g in rows]
+    lengths = [clamp_lengths(round(r.num_prompt_tokens * args.prompt_scale),
+                             round(r.num_output_tokens * args.output_scale), max_model_len,
+                             args.max_output) for r in rows]
     rng = random.Random(args.seed)
     return Workload("prefill-heavy", random_prompts([p for p, _ in lengths], vocab_size, rng),
                     [o for _, o in lengths])
@@ -574,7 +548,7 @@ def build_workloads(rows, args, max_model_len: int, vocab_size: int) -> List[Wor
 
 def run(args: argparse.Namespace) -> Dict[str, object]:
     started, load_start = time.perf_counter(), os.getloadavg()[0]
-    rows = read_trace(args.trace, args.num_requests)  # bad files fail before any model loads
+    rows = read_azure(args.trace, args.num_requests)  # bad files fail before any model loads
     threads = torch.get_num_threads()
     llm = build_engine(args)
     torch.set_num_threads(threads)
@@ -624,7 +598,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         result = run(args)
-    except BenchInputError as exc:
+    except (BenchInputError, TraceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result))

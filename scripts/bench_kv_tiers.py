@@ -43,7 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -51,8 +51,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as `python scripts/bench_kv_tiers.py` from anywhere
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "scripts"):  # run from anywhere, or imported by path (tests)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
 
@@ -68,9 +69,10 @@ from workers.engine import LLMEngine  # noqa: E402
 from workers.model_config import ModelConfig, load_model_config  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
 
-DEFAULT_TRACE = REPO.parent / "shared/data/traces/mooncake_synthetic_trace.jsonl"
-MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
-MOONCAKE_BLOCK_TOKENS = 512
+from traces import (MOONCAKE_BLOCK_TOKENS, MOONCAKE_SYNTHETIC_TRACE, BlockTokens,  # noqa: E402
+                    TraceError, TraceRequest, ideal_hit_rate, read_mooncake, sample_roots)
+
+DEFAULT_TRACE = MOONCAKE_SYNTHETIC_TRACE
 MIN_TOKEN_ID = 3  # stay clear of the special tokens at the lowest ids
 IO_CHUNK_BYTES = 8 << 20  # the raw loop's call size, equal to DiskStore's max_io_bytes
 TARGET_COPY_RATIO = 0.8
@@ -87,7 +89,7 @@ SIZES = {
 
 
 class BenchInputError(ValueError):
-    """Bad input from the command line or a file; printed without a traceback."""
+    """Bad input from the command line; printed without a traceback (as is a ``TraceError``)."""
 
 
 # ----- (a) and (b): bandwidth -----
@@ -224,95 +226,15 @@ def bench_disk(spec: KVCacheSpec, directory: Path, repeats: int) -> Tuple[Dict, 
 # ----- (c): the trace -----
 
 
-@dataclass(frozen=True)
-class TraceRequest:
-    hash_ids: Tuple[int, ...]
-    output_length: int
-
-
-def read_mooncake(path: Path) -> List[TraceRequest]:
-    """Every request of a Mooncake-format JSONL trace, in file order."""
-    try:
-        with open(path) as f:
-            rows = [_mooncake_row(path, number, line)
-                    for number, line in enumerate(f, 1) if line.strip()]
-    except OSError as exc:
-        raise BenchInputError(f"trace {path}: cannot read it ({exc.strerror})") from None
-    if not rows:
-        raise BenchInputError(f"trace {path}: no requests, expected JSON lines with keys "
-                              f"{', '.join(MOONCAKE_KEYS)}")
-    return rows
-
-
-def _mooncake_row(path: Path, number: int, line: str) -> TraceRequest:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError:
-        row = None
-    if not isinstance(row, dict) or any(k not in row for k in MOONCAKE_KEYS):
-        raise BenchInputError(f"trace {path} line {number}: expected a JSON object with keys "
-                              f"{', '.join(MOONCAKE_KEYS)}")
-    hash_ids, output = row["hash_ids"], row["output_length"]
-    if (not isinstance(hash_ids, list) or not hash_ids
-            or not all(isinstance(h, int) for h in hash_ids)):
-        raise BenchInputError(f"trace {path} line {number}: hash_ids must be a non-empty list of "
-                              f"integers")
-    if not isinstance(output, int) or output < 1:
-        raise BenchInputError(f"trace {path} line {number}: output_length must be a positive "
-                              f"integer, got {output!r}")
-    return TraceRequest(tuple(hash_ids), output)
-
-
-def sample_roots(rows: Sequence[TraceRequest], frac: float, seed: int) -> List[TraceRequest]:
-    """The requests whose first hash id is in a seeded sample of ``frac`` of the distinct ones."""
-    roots = sorted({r.hash_ids[0] for r in rows})
-    kept = set(random.Random(seed).sample(roots, max(1, round(frac * len(roots)))))
-    return [r for r in rows if r.hash_ids[0] in kept]
-
-
 def fit_context(rows: Sequence[TraceRequest], max_output: int, block_size: int,
                 max_model_len: int) -> List[TraceRequest]:
     """Outputs capped at ``max_output``; prompts cut to whole blocks that fit the context."""
     fitted = []
     for r in rows:
-        output = min(r.output_length, max_output, max_model_len - 1)
+        output = min(r.num_output_tokens, max_output, max_model_len - 1)
         max_blocks = max(1, (max_model_len - output) // block_size)
-        fitted.append(TraceRequest(r.hash_ids[:max_blocks], output))
+        fitted.append(replace(r, hash_ids=r.hash_ids[:max_blocks], num_output_tokens=output))
     return fitted
-
-
-def ideal_hit_rate(rows: Sequence[TraceRequest]) -> Tuple[float, float]:
-    """(block hit rate of an infinite cache, the same leaving every prompt's last block to
-    compute as the engine does). A block hits if its whole prefix of hash ids was seen before."""
-    seen: set = set()
-    hits = engine_hits = total = 0
-    for r in rows:
-        num_hit = 0
-        while num_hit < len(r.hash_ids) and r.hash_ids[:num_hit + 1] in seen:
-            num_hit += 1
-        hits += num_hit
-        engine_hits += min(num_hit, len(r.hash_ids) - 1)
-        total += len(r.hash_ids)
-        seen.update(r.hash_ids[:i + 1] for i in range(len(r.hash_ids)))
-    return hits / total, engine_hits / total
-
-
-class BlockTokens:
-    """Hash id -> its ``block_size`` token ids in ``[MIN_TOKEN_ID, vocab)``, deterministic."""
-
-    def __init__(self, block_size: int, vocab_size: int) -> None:
-        self.block_size, self.vocab_size = block_size, vocab_size
-        self._blocks: Dict[int, List[int]] = {}
-
-    def prompt(self, hash_ids: Sequence[int]) -> List[int]:
-        return [t for h in hash_ids for t in self._block(h)]
-
-    def _block(self, hash_id: int) -> List[int]:
-        if hash_id not in self._blocks:
-            rng = random.Random(hash_id)
-            self._blocks[hash_id] = [rng.randrange(MIN_TOKEN_ID, self.vocab_size)
-                                     for _ in range(self.block_size)]
-        return self._blocks[hash_id]
 
 
 @dataclass(frozen=True)
@@ -325,7 +247,7 @@ class TierSizes:
 
 def tier_sizes(rows: Sequence[TraceRequest], args: argparse.Namespace) -> TierSizes:
     unique = len({r.hash_ids[:i + 1] for r in rows for i in range(len(r.hash_ids))})
-    longest = max(len(r.hash_ids) + -(-r.output_length // args.block_size) for r in rows)
+    longest = max(len(r.hash_ids) + -(-r.num_output_tokens // args.block_size) for r in rows)
     device = max(round(args.device_frac * unique), 2 * longest)
     return TierSizes(device, max(1, round(args.host_frac * unique)), unique, unique)
 
@@ -553,9 +475,9 @@ def prepare_trace(rows: List[TraceRequest], model: ModelConfig,
 def run_replays(rows: List[TraceRequest], model: ModelConfig, args: argparse.Namespace,
                 directory: Path) -> Dict[str, object]:
     subset, sizes, ideal = prepare_trace(rows, model, args)
-    tokens = BlockTokens(args.block_size, model.vocab_size)
+    tokens = BlockTokens(args.block_size, model.vocab_size, MIN_TOKEN_ID)
     prompts = [tokens.prompt(r.hash_ids) for r in subset]
-    outputs = [r.output_length for r in subset]
+    outputs = [r.num_output_tokens for r in subset]
     results = []
     for name in CONFIGS:
         config = engine_config(name, args, sizes, directory)
@@ -647,7 +569,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         result = run(args)
-    except BenchInputError as exc:
+    except (BenchInputError, TraceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result))

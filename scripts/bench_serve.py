@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import math
 import os
@@ -58,7 +57,6 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -66,13 +64,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as `python scripts/bench_serve.py` from anywhere
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "scripts"):  # run from anywhere, or imported by path (tests)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
-DEFAULT_TRACE = REPO.parent / "shared/data/traces/AzureLLMInferenceTrace_code.csv"
-AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
-MOONCAKE_BLOCK_TOKENS = 512
+from traces import (AZURE_CODE_TRACE, MOONCAKE_BLOCK_TOKENS, BlockTokens,  # noqa: E402
+                    TraceError, TraceRequest, read_trace)
+
+DEFAULT_TRACE = AZURE_CODE_TRACE
 APP_NAME = "tpserve-bench"
 ROUTERS = ("kv", "pow2")
 MIN_PROMPT_TOKEN_ID = 100  # random prompts stay clear of the special tokens at the low ids
@@ -80,102 +79,6 @@ WARMUP_PROMPT_TOKENS = 32
 WARMUP_MAX_TOKENS = 4
 METRICS_SAMPLE_PERIOD_S = 1.0
 OTHER_CPU_WARN_FRAC = 0.10
-
-
-class BenchInputError(ValueError):
-    """Bad input from the command line or a file; printed without a traceback."""
-
-
-# ----- traces -----
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    """One trace row: arrival (seconds from the trace's first request), lengths, block ids."""
-
-    arrival_s: float
-    num_prompt_tokens: int
-    num_output_tokens: int
-    hash_ids: Tuple[int, ...] = ()  # Mooncake only: one id per 512-token prompt block
-
-
-def read_trace(path: Path, num_requests: int) -> Tuple[str, List[TraceRequest]]:
-    """``(format, first num_requests rows)``; the format is "azure" or "mooncake"."""
-    try:
-        with open(path, newline="") as f:
-            first = f.readline()
-            f.seek(0)
-            if first.lstrip().startswith("{"):
-                return "mooncake", _read_mooncake(path, f, num_requests)
-            return "azure", _read_azure(path, f, num_requests)
-    except OSError as exc:
-        raise BenchInputError(f"trace {path}: cannot read it ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise BenchInputError(f"trace {path}: not a text file (expected an Azure CSV or a "
-                              f"Mooncake JSONL trace)") from None
-
-
-def _read_azure(path: Path, f, num_requests: int) -> List[TraceRequest]:
-    reader = csv.reader(f)
-    header = next(reader, None)
-    if header is None or tuple(h.strip() for h in header[:3]) != AZURE_COLUMNS:
-        raise BenchInputError(f"trace {path}: expected an Azure CSV with the header "
-                              f"{','.join(AZURE_COLUMNS)} or Mooncake JSONL, got {header}")
-    rows: List[TraceRequest] = []
-    start: Optional[float] = None
-    for line, row in enumerate(reader, start=2):
-        if len(rows) == num_requests:
-            break
-        try:
-            stamp = _azure_time(row[0])
-            context, generated = int(row[1]), int(row[2])
-        except (IndexError, ValueError):
-            raise BenchInputError(f"trace {path} line {line}: expected a timestamp and integer "
-                                  f"ContextTokens and GeneratedTokens, got {row}") from None
-        if context < 1 or generated < 1:
-            raise BenchInputError(f"trace {path} line {line}: token counts must be positive, "
-                                  f"got {row}")
-        start = stamp if start is None else start
-        rows.append(TraceRequest(stamp - start, context, generated))
-    return _enough(path, rows, num_requests)
-
-
-def _azure_time(text: str) -> float:
-    """``2023-11-16 18:17:03.9799600`` (seven fractional digits) as POSIX seconds."""
-    whole, _, frac = text.strip().partition(".")
-    seconds = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").timestamp()
-    return seconds + (float("0." + frac) if frac else 0.0)
-
-
-def _read_mooncake(path: Path, f, num_requests: int) -> List[TraceRequest]:
-    rows: List[TraceRequest] = []
-    start: Optional[float] = None
-    for line, text in enumerate(f, start=1):
-        if len(rows) == num_requests:
-            break
-        if not text.strip():
-            continue
-        try:
-            obj = json.loads(text)
-            stamp = float(obj["timestamp"]) / 1000.0
-            num_in, num_out = int(obj["input_length"]), int(obj["output_length"])
-            hash_ids = tuple(int(h) for h in obj["hash_ids"])
-        except (ValueError, KeyError, TypeError):
-            raise BenchInputError(f"trace {path} line {line}: expected a JSON object with "
-                                  f"{', '.join(MOONCAKE_KEYS)} (Mooncake), got "
-                                  f"{text.strip()[:120]!r}") from None
-        if num_in < 1 or num_out < 1:
-            raise BenchInputError(f"trace {path} line {line}: lengths must be positive")
-        start = stamp if start is None else start
-        rows.append(TraceRequest(stamp - start, num_in, num_out, hash_ids))
-    return _enough(path, rows, num_requests)
-
-
-def _enough(path: Path, rows: List[TraceRequest], num_requests: int) -> List[TraceRequest]:
-    if len(rows) < num_requests:
-        raise BenchInputError(f"trace {path} has {len(rows)} requests; --num-requests asks for "
-                              f"{num_requests}")
-    return rows
 
 
 # ----- the workload -----
@@ -202,14 +105,15 @@ def build_workload(trace: Sequence[TraceRequest], scaling: Scaling, vocab_size: 
     """The requests to replay: scaled lengths, prompts, arrival times (all seeded)."""
     rng = random.Random(seed)
     low = min(MIN_PROMPT_TOKEN_ID, vocab_size // 2)
+    blocks = BlockTokens(max(1, MOONCAKE_BLOCK_TOKENS // scaling.prompt_scale), vocab_size, low,
+                         seed)
     arrivals = arrival_times(trace, scaling, rng)
     requests = []
     for row, arrival in zip(trace, arrivals):
         max_tokens = max(1, min(row.num_output_tokens, scaling.max_output, max_model_len - 1))
         num_prompt = max(1, min(math.ceil(row.num_prompt_tokens / scaling.prompt_scale),
                                 max_model_len - max_tokens))
-        prompt = block_prompt(row.hash_ids, scaling.prompt_scale, low, vocab_size, seed)
-        prompt = prompt[:num_prompt]
+        prompt = blocks.prompt(row.hash_ids)[:num_prompt]
         prompt += [rng.randrange(low, vocab_size) for _ in range(num_prompt - len(prompt))]
         requests.append(BenchRequest(prompt, max_tokens, arrival))
     return requests
@@ -224,17 +128,6 @@ def arrival_times(trace: Sequence[TraceRequest], scaling: Scaling,
         times.append(now)
         now += rng.expovariate(scaling.rate_req_s)
     return times
-
-
-def block_prompt(hash_ids: Sequence[int], prompt_scale: int, low: int, vocab_size: int,
-                 seed: int) -> List[int]:
-    """Mooncake hash ids as tokens: each id is the same ``512 / prompt_scale`` ids everywhere."""
-    block_tokens = max(1, MOONCAKE_BLOCK_TOKENS // prompt_scale)
-    out: List[int] = []
-    for hash_id in hash_ids:
-        block_rng = random.Random(f"{seed}:{hash_id}")
-        out.extend(block_rng.randrange(low, vocab_size) for _ in range(block_tokens))
-    return out
 
 
 # ----- one run of the load against an endpoint -----
@@ -809,6 +702,6 @@ def engine_is_cpu() -> bool:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (BenchInputError, FileNotFoundError) as exc:
+    except (TraceError, FileNotFoundError) as exc:
         print(f"bench_serve: {exc}", file=sys.stderr)
         sys.exit(2)

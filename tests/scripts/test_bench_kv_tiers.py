@@ -1,5 +1,6 @@
 """scripts/bench_kv_tiers.py: end to end in --quick mode on a tiny checkpoint, its errors on bad
-trace files, and its pure parts (trace subset, context fitting, ideal hit rate, token blocks)."""
+trace files, and its context fitting. The trace reader, the prefix-root subset, the ideal hit rate
+and the token blocks are tested in test_traces.py."""
 
 from __future__ import annotations
 
@@ -64,24 +65,6 @@ def test_quick_run_prints_sane_json_last(tmp_path, tiny_llama):
     assert "scaled" in proc.stdout and "closed loop" in proc.stdout
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("", "no requests"),
-    ("not json\n", "line 1"),
-    ('{"timestamp": 0, "input_length": 5, "output_length": 3}\n', "hash_ids"),
-    ('{"timestamp": 0, "input_length": 5, "output_length": 3, "hash_ids": []}\n', "non-empty"),
-    ('{"timestamp": 0, "input_length": 5, "output_length": 0, "hash_ids": [1]}\n',
-     "output_length"),
-])
-def test_read_mooncake_errors_name_the_file(bench, tmp_path, text, expected):
-    trace = tmp_path / "bad.jsonl"
-    trace.write_text(text)
-    with pytest.raises(bench.BenchInputError, match=expected) as info:
-        bench.read_mooncake(trace)
-    assert str(trace) in str(info.value)
-    with pytest.raises(bench.BenchInputError, match="cannot read"):
-        bench.read_mooncake(tmp_path / "absent.jsonl")
-
-
 def test_malformed_trace_exits_nonzero_naming_the_file(tmp_path):
     trace = tmp_path / "bad.jsonl"
     trace.write_text('{"timestamp": 0}\n')
@@ -90,30 +73,8 @@ def test_malformed_trace_exits_nonzero_naming_the_file(tmp_path):
     assert str(trace) in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_sample_roots_keeps_whole_prefix_families_in_order(bench):
-    rows = [bench.TraceRequest((root, 100 + i), 1) for i, root in enumerate([1, 2, 1, 3, 2, 1])]
-    subset = bench.sample_roots(rows, 0.5, seed=0)
-    roots = {r.hash_ids[0] for r in subset}
-    assert len(roots) == 2
-    assert subset == [r for r in rows if r.hash_ids[0] in roots]
-    assert bench.sample_roots(rows, 1.0, seed=0) == rows
-
-
 def test_fit_context_caps_outputs_and_cuts_prompts(bench):
-    rows = [bench.TraceRequest(tuple(range(20)), 50), bench.TraceRequest((1, 2), 1)]
+    rows = [bench.TraceRequest(0.0, 10240, 50, tuple(range(20))),
+            bench.TraceRequest(1.0, 1024, 1, (1, 2))]
     fitted = bench.fit_context(rows, max_output=4, block_size=16, max_model_len=100)
-    assert fitted == [bench.TraceRequest(tuple(range(6)), 4), bench.TraceRequest((1, 2), 1)]
-
-
-def test_ideal_hit_rate_counts_whole_prefixes(bench):
-    rows = [bench.TraceRequest(h, 1) for h in [(1, 2, 3), (1, 2, 4), (5, 2, 3), (1, 2, 3)]]
-    # Hits: 0, then 1 and 2 (of 1,2,4), none for 5,2,3 (another prefix), then all 3 (engine: 2).
-    assert bench.ideal_hit_rate(rows) == (5 / 12, 4 / 12)
-
-
-def test_block_tokens_are_deterministic_and_in_range(bench):
-    tokens = bench.BlockTokens(block_size=4, vocab_size=50)
-    prompt = tokens.prompt([7, 9, 7])
-    assert len(prompt) == 12 and prompt[:4] == prompt[8:] and prompt[:4] != prompt[4:8]
-    assert all(bench.MIN_TOKEN_ID <= t < 50 for t in prompt)
-    assert bench.BlockTokens(4, 50).prompt([7]) == prompt[:4]
+    assert fitted == [bench.TraceRequest(0.0, 10240, 4, tuple(range(6))), rows[1]]

@@ -1,5 +1,6 @@
 """scripts/bench_serve.py: both routers end to end on a tiny checkpoint (slow, Ray), its errors on
-bad trace files, and its pure parts (trace formats, scaling, shared Mooncake prefixes, /metrics)."""
+bad trace files, and its pure parts (scaling, shared Mooncake prefixes, /metrics). The trace
+readers' own tests are in test_traces.py."""
 
 from __future__ import annotations
 
@@ -37,12 +38,6 @@ def write_azure(path: Path, rows) -> Path:
     return path
 
 
-def write_mooncake(path: Path, rows) -> Path:
-    path.write_text("".join(json.dumps({"timestamp": t, "input_length": n, "output_length": o,
-                                        "hash_ids": h}) + "\n" for t, n, o, h in rows))
-    return path
-
-
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(600)
@@ -74,7 +69,7 @@ def test_both_routers_print_sane_json_last(tmp_path, tiny_llama):
     ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,abc,10\n", "line 2"),
     ("time,prompt,output\n1,2,3\n", "expected an Azure CSV"),
     ('{"timestamp": 0, "input_length": 10}\n', "line 1"),
-    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,0,10\n", "positive"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,-1,10\n", "negative"),
 ])
 def test_malformed_trace_exits_nonzero_naming_the_file(tmp_path, content, expected):
     trace = tmp_path / "bad_trace.txt"
@@ -85,28 +80,9 @@ def test_malformed_trace_exits_nonzero_naming_the_file(tmp_path, content, expect
     assert "Traceback" not in proc.stderr
 
 
-def test_missing_or_short_trace_names_the_file(bench, tmp_path):
-    with pytest.raises(bench.BenchInputError, match="missing.csv.*cannot read"):
-        bench.read_trace(tmp_path / "missing.csv", 1)
-    trace = write_azure(tmp_path / "short.csv", [(10, 1)])
-    with pytest.raises(bench.BenchInputError, match="short.csv has 1 requests"):
-        bench.read_trace(trace, 2)
-
-
-def test_formats_are_detected_and_times_start_at_zero(bench, tmp_path):
-    fmt, rows = bench.read_trace(write_azure(tmp_path / "a.csv", [(160, 5), (32, 40)]), 2)
-    assert fmt == "azure"
-    assert [(r.num_prompt_tokens, r.num_output_tokens) for r in rows] == [(160, 5), (32, 40)]
-    assert rows[0].arrival_s == 0.0 and rows[1].arrival_s == pytest.approx(1.0)
-    fmt, rows = bench.read_trace(write_mooncake(tmp_path / "m.jsonl", [
-        (1000, 1024, 3, [7, 8]), (3500, 600, 9, [7, 9])]), 2)
-    assert fmt == "mooncake"
-    assert rows[1].arrival_s == pytest.approx(2.5) and rows[1].hash_ids == (7, 9)
-
-
-def test_workload_scales_caps_and_shares_mooncake_prefixes(bench, tmp_path):
-    _, rows = bench.read_trace(write_mooncake(tmp_path / "m.jsonl", [
-        (0, 1024, 100, [7, 8]), (0, 1000, 3, [7, 8]), (0, 600, 9, [7, 9])]), 3)
+def test_workload_scales_caps_and_shares_mooncake_prefixes(bench):
+    rows = [bench.TraceRequest(0.0, n, o, h)
+            for n, o, h in [(1024, 100, (7, 8)), (1000, 3, (7, 8)), (600, 9, (7, 9))]]
     scaling = bench.Scaling(prompt_scale=16, max_output=32, arrival="poisson", rate_req_s=2.0,
                             time_scale=1.0)
     reqs = bench.build_workload(rows, scaling, vocab_size=509, max_model_len=256, seed=0)
