@@ -8,9 +8,9 @@
 
 - Write-through on release: when a request lets go of a full, hashed device block that no other
   request holds, the block is copied to the host tier (unless already there, or hot enough to stay
-  pinned on device), so evicting it from the device later costs nothing. Every rank finishes the
-  device side of the step's spills before that step's model runs, so a block released in one step
-  can be reused in the next without holding it.
+  pinned on device), so evicting it from the device later costs nothing. The block is not held:
+  when a step's model would write a block a spill may still be reading (``is_being_read``), every
+  rank first waits for the device side of its queued spills.
 - The host tier makes room by evicting its policy's victim; a victim not yet on disk is written
   there first (inclusive hierarchy: a block read back from disk keeps its disk copy).
 - A prefix that misses on the device and hits below is restored: disk blocks are read into host
@@ -33,6 +33,7 @@ from kv.prefix_hash import BlockHash
 from kv.tier_index import TierEntry, TierIndex
 from kv.tier_ops import (OpStatus, ReadDisk, Restore, SaveIndex, Spill, TierOp, TierOpResults,
                          WriteDisk)
+from kv.types import BlockId
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class RestoreChain:
 class _SpillDone:
     block_hash: Optional[BlockHash]  # None: a private swap-out
     host_slot: int
+    device_block: BlockId
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ class KVTiers:
         self.stats = TierStats()
         self._ops: List[TierOp] = []
         self._records: Dict[int, _Record] = {}
+        self._spilling: Dict[BlockId, int] = {}  # device block -> ticket of its last spill
         self.num_issued = 0  # tickets handed out so far
         self.num_committed = 0
 
@@ -177,7 +180,7 @@ class KVTiers:
                 continue
             slot = self._take_host_slot()
             self.host.insert(block_hash, block.token_ids, slot)
-            self._issue(Spill(block.block_id, slot, block_hash), _SpillDone(block_hash, slot))
+            self._issue_spill(Spill(block.block_id, slot, block_hash), block_hash)
             self.stats.num_spilled_blocks += 1
 
     def can_swap_out(self) -> bool:
@@ -187,7 +190,7 @@ class KVTiers:
         """Copy a private (partly filled) device block to a private host slot; returns the slot."""
         slot, evicted = self.host.take_private()
         self._write_back(evicted)
-        self._issue(Spill(block.block_id, slot, tag), _SpillDone(None, slot))
+        self._issue_spill(Spill(block.block_id, slot, tag), None)
         self.stats.num_swapped_out += 1
         return slot
 
@@ -224,6 +227,10 @@ class KVTiers:
         chain.last_ticket = self.num_issued - 1
         return chain
 
+    def is_being_read(self, block_id: BlockId) -> bool:
+        """Whether a spill of this device block may still be reading it (not yet committed)."""
+        return block_id in self._spilling
+
     def save_index(self) -> None:
         """Ask every rank to snapshot its disk checksums once the writes before it are done."""
         self._issue(SaveIndex(), None)
@@ -250,7 +257,7 @@ class KVTiers:
                     and record.chain.statuses[record.index] != OpStatus.OK):
                 self._count_failure(status)
             if isinstance(record, _SpillDone):
-                self._commit_spill(record, status)
+                self._commit_spill(record, results.first_ticket + offset, status)
             elif isinstance(record, _DiskWriteDone):
                 if status != OpStatus.OK and self.disk is not None:
                     self.disk.discard_slot(record.block_hash, record.disk_slot)
@@ -268,7 +275,9 @@ class KVTiers:
         elif status == OpStatus.IO_ERROR:
             self.stats.num_io_errors += 1
 
-    def _commit_spill(self, record: _SpillDone, status: OpStatus) -> None:
+    def _commit_spill(self, record: _SpillDone, ticket: int, status: OpStatus) -> None:
+        if self._spilling.get(record.device_block) == ticket:
+            del self._spilling[record.device_block]
         if status != OpStatus.OK and record.block_hash is not None:
             self.host.discard_slot(record.block_hash, record.host_slot)
 
@@ -295,6 +304,10 @@ class KVTiers:
         self._ops.append(op)
         self._records[self.num_issued] = record
         self.num_issued += 1
+
+    def _issue_spill(self, op: Spill, block_hash: Optional[BlockHash]) -> None:
+        self._spilling[op.device_block] = self.num_issued
+        self._issue(op, _SpillDone(block_hash, op.host_slot, op.device_block))
 
     def _take_host_slot(self) -> int:
         slot, evicted = self.host.take_slot()

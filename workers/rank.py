@@ -91,14 +91,16 @@ def build_rank(config: RankConfig) -> Rank:
 
 def execute_plan(rank: Rank, plan: StepPlan
                  ) -> Tuple[Optional[torch.Tensor], Optional[TierOpResults]]:
-    """Run one plan on this rank: queue its transfers, let their device reads finish (the step may
-    reuse those blocks), run the model, then agree with the other ranks on finished transfers.
+    """Run one plan on this rank: queue its transfers, wait for spills still reading blocks the
+    model is about to write (when the plan says so), run the model, then agree with the other
+    ranks on finished transfers.
 
     Every rank reaches the agreement at the same plans (outstanding counts follow the plans), so
     its collectives match. Returns the logits (rank 0) and the agreed transfer outcomes, if any."""
     transfer = rank.tiers.transfer if rank.tiers is not None else None
     if transfer is not None and plan.tier_ops:
         transfer.submit(plan.tier_ops)
+    if transfer is not None and plan.wait_spill_reads:
         transfer.wait_device_reads()
     logits = rank.runner.execute(plan)
     results = None

@@ -115,9 +115,23 @@ class Scheduler:
         tier_ops = self.kv.tiers.take_ops() if self.kv.tiers is not None else ()
         # Nothing to compute: the ranks wait for the transfers instead of polling them.
         plan = StepPlan(tuple(steps), tuple(self._freed_seq_ids), tier_ops=tier_ops,
+                        wait_spill_reads=self._writes_spilling_block(scheduled),
                         wait_transfers=not steps)
         self._freed_seq_ids = []
         return ScheduledStep(plan, tuple(scheduled), tuple(finished))
+
+    def _writes_spilling_block(self, scheduled: List[Tuple[Request, int]]) -> bool:
+        """Whether this step writes KV into a block that a queued spill may still be reading."""
+        tiers, bs = self.kv.tiers, self.kv.block_size
+        if tiers is None:
+            return False
+        for request, num_new in scheduled:
+            block_ids = self.kv.block_ids(request.request_id)
+            first = request.num_computed_tokens // bs
+            last = (request.num_computed_tokens + num_new - 1) // bs
+            if any(tiers.is_being_read(b) for b in block_ids[first:last + 1]):
+                return True
+        return False
 
     def _grow_or_preempt(self, request: Request, num_new: int, finished: List[Request]) -> bool:
         """Make room for ``num_new`` more tokens of a running request, preempting newer ones."""

@@ -41,13 +41,15 @@ SeqStep = Union[NewSeqStep, KnownSeqStep]
 class StepPlan:
     """One engine step. ``freed_ids`` are dropped from the mirrors before ``seqs`` run.
 
-    ``tier_ops`` are queued on every rank's transfer engine before the model runs; the device side
-    of their spills finishes first (the step may reuse those blocks). ``wait_transfers``: the ranks
-    wait for every queued transfer before agreeing on what finished (a step with nothing to run)."""
+    ``tier_ops`` are queued on every rank's transfer engine before the model runs.
+    ``wait_spill_reads``: the model writes a block a queued spill may still be reading, so the
+    ranks first wait for the device side of their spills. ``wait_transfers``: the ranks wait for
+    every queued transfer before agreeing on what finished (a step with nothing to run)."""
 
     seqs: Tuple[SeqStep, ...] = ()
     freed_ids: Tuple[int, ...] = ()
     tier_ops: Tuple[TierOp, ...] = ()
+    wait_spill_reads: bool = False
     wait_transfers: bool = False
     shutdown: bool = False
 

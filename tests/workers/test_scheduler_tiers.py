@@ -100,3 +100,17 @@ def test_a_failed_restore_truncates_the_prefix_and_drops_the_rest():
     assert restores[0].tag in tiers.host.entries
     assert restores[1].tag not in tiers.host.entries and restores[2].tag not in tiers.host.entries
     assert h.scheduler.schedule().plan.seqs[0].num_computed == 2  # computes from block 2 on
+
+
+def test_ranks_wait_for_spills_only_when_the_step_writes_a_block_being_spilled():
+    for new_prompts, expect_wait in (([[30, 31, 32]], False),  # fits in empty blocks
+                                     ([[30, 31, 32], [40, 41, 42, 43, 44]], True)):  # reuses a's
+        h = Harness(num_blocks=6)
+        a = h.add([10, 11, 12, 13, 14, 15])
+        h.step()
+        h.scheduler.finish(a, FinishReason.STOP)  # three spills issued, not yet run
+        for prompt in new_prompts:
+            h.add(prompt)
+        step = h.scheduler.schedule()
+        assert [type(op) for op in step.plan.tier_ops] == [Spill] * 3
+        assert step.plan.wait_spill_reads is expect_wait
