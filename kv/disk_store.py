@@ -20,6 +20,7 @@ import errno
 import logging
 import mmap
 import os
+import threading
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -58,8 +59,8 @@ class DiskStore:
     The file is reused across restarts: opening never clears it, and only grows it (sparsely) when
     it is smaller than ``num_slots * slot_bytes``, so a full disk shows up as ENOSPC from
     :meth:`write`, not at start. Which slot holds which block is the caller's business (see
-    ``kv.disk_index`` for the snapshot of that map). Not thread-safe: use one store per I/O thread
-    or hold a lock around calls.
+    ``kv.disk_index`` for the snapshot of that map). Calls on disjoint slots may run from several
+    threads at once (positioned I/O on one descriptor; counters and the fallback under a lock).
     """
 
     def __init__(self, path: Path, num_slots: int, slot_bytes: int,
@@ -79,6 +80,8 @@ class DiskStore:
         self.num_bytes_read = 0
         self.num_io_calls = 0
         self._max_iov = _iov_max()
+        self._lock = threading.Lock()
+        self._retired_fds: List[int] = []  # replaced by the buffered fallback, closed at close()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd: Optional[int] = None
         self._fd, self.is_direct = _open(self.path)
@@ -116,6 +119,9 @@ class DiskStore:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        for fd in self._retired_fds:
+            os.close(fd)
+        self._retired_fds = []
 
     def __enter__(self) -> "DiskStore":
         return self
@@ -187,22 +193,27 @@ class DiskStore:
                                          f"{offset + num_done}: {num_total - num_done} bytes "
                                          f"missing (file truncated?)")
             num_done += n
-            if what == "write":
-                self.num_bytes_written += n
-            else:
-                self.num_bytes_read += n
+            with self._lock:
+                if what == "write":
+                    self.num_bytes_written += n
+                else:
+                    self.num_bytes_read += n
             pending = _advance(pending, n)
         return num_done, None
 
     def _call(self, syscall: _Syscall, pending: List[memoryview], offset: int) -> int:
-        self.num_io_calls += 1
-        try:
-            n = syscall(self._open_fd(), pending, offset)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL or not self.is_direct or self._is_direct_proven:
-                raise
-            self._reopen_buffered(exc)
+        fd = self._open_fd()
+        with self._lock:
             self.num_io_calls += 1
+        try:
+            n = syscall(fd, pending, offset)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or self._is_direct_proven:
+                raise
+            with self._lock:
+                if self._fd == fd and self.is_direct:  # not already done by another thread
+                    self._reopen_buffered(exc)
+                self.num_io_calls += 1
             return syscall(self._open_fd(), pending, offset)
         self._is_direct_proven = True
         return n
@@ -210,7 +221,8 @@ class DiskStore:
     def _reopen_buffered(self, exc: OSError) -> None:
         logger.warning("%s: first O_DIRECT I/O refused (%s); disk KV I/O is buffered through "
                        "the page cache", self.path, exc)
-        self.close()
+        assert self._fd is not None
+        self._retired_fds.append(self._fd)  # another thread may still be using it
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         self.is_direct = False
 

@@ -16,6 +16,7 @@ slot fail too instead of moving garbage.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -42,6 +43,7 @@ from parallel.latency import LatencyRecorder
 logger = logging.getLogger(__name__)
 
 INDEX_KIND = "disk-checksums"
+_IO_DEPTH = 2  # disk calls in flight: keeps the device busy while a chunk is verified
 _OP_KINDS = (Spill, Restore, WriteDisk, ReadDisk, SaveIndex)
 
 
@@ -119,7 +121,7 @@ class TransferEngine:
         # that waits for its restores.
         self._copy_stream = torch.cuda.Stream(kv_cache.data.device) if self._is_cuda else None
         self._copier = BlockCopier(kv_cache, host, num_threads=_copy_threads())
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tpserve-kv-read")
+        self._io = ThreadPoolExecutor(_IO_DEPTH, thread_name_prefix="tpserve-kv-io")
         # Owned by the worker thread once it starts.
         self._host_entries: Dict[int, _Entry] = {}
         self._disk_entries: Dict[int, _Entry] = (
@@ -227,7 +229,7 @@ class TransferEngine:
         self._queue.put(None)
         self._worker.join()
         self._copier.close()
-        self._reader.shutdown(wait=True)
+        self._io.shutdown(wait=True)
 
     # --- worker side -------------------------------------------------------------------------
 
@@ -294,8 +296,12 @@ class TransferEngine:
                 statuses[i] = OpStatus.CHECKSUM
             elif statuses[i] is OpStatus.OK:
                 todo.append(i)
-        errors = disk.write([ops[i].disk_slot for i in todo],
-                            [self._host.view(ops[i].host_slot) for i in todo])
+        # Chunks of consecutive disk slots, each about one large I/O, _IO_DEPTH in flight.
+        todo.sort(key=lambda i: ops[i].disk_slot)
+        chunks = self._io_chunks(todo)
+        write = lambda chunk: disk.write([ops[i].disk_slot for i in chunk],  # noqa: E731
+                                         [self._host.view(ops[i].host_slot) for i in chunk])
+        errors = [error for chunk_errors in self._io.map(write, chunks) for error in chunk_errors]
         for i, error in zip(todo, errors):
             op = ops[i]
             if error is not None:
@@ -319,18 +325,25 @@ class TransferEngine:
                 statuses[i] = OpStatus.CHECKSUM  # no need to read bytes that cannot match
             elif statuses[i] is OpStatus.OK:
                 todo.append(i)
-        # Read in chunks of about one large I/O and verify each chunk while the next is read.
-        per_chunk = max(1, disk.max_io_bytes // disk.slot_bytes)
-        chunks = [todo[i:i + per_chunk] for i in range(0, len(todo), per_chunk)]
+        # Chunks of about one large I/O, _IO_DEPTH of them in flight; each chunk is verified
+        # while the next ones are read.
+        todo.sort(key=lambda i: ops[i].disk_slot)
+        chunks = self._io_chunks(todo)
         read = lambda chunk: disk.read([ops[i].disk_slot for i in chunk],  # noqa: E731
                                        [self._host.view(ops[i].host_slot) for i in chunk])
-        pending = self._reader.submit(read, chunks[0]) if chunks else None
+        pending = collections.deque(self._io.submit(read, c) for c in chunks[:_IO_DEPTH])
         for index, chunk in enumerate(chunks):
-            errors = pending.result()
-            if index + 1 < len(chunks):
-                pending = self._reader.submit(read, chunks[index + 1])
+            errors = pending.popleft().result()
+            if index + _IO_DEPTH < len(chunks):
+                pending.append(self._io.submit(read, chunks[index + _IO_DEPTH]))
             self._verify_reads([ops[i] for i in chunk], errors, chunk, statuses)
         return statuses
+
+    def _io_chunks(self, todo: List[int]) -> List[List[int]]:
+        """``todo`` (already in disk slot order) cut into chunks of about one large I/O each."""
+        assert self._disk is not None
+        per_chunk = max(1, self._disk.max_io_bytes // self._disk.slot_bytes)
+        return [todo[i:i + per_chunk] for i in range(0, len(todo), per_chunk)]
 
     def _verify_reads(self, ops: List[ReadDisk], errors: List[Optional[OSError]],
                       indices: List[int], statuses: List[OpStatus]) -> None:
