@@ -187,3 +187,20 @@ def test_bad_arguments_raise_value_error_naming_them(tmp_path):
     store.close()
     with pytest.raises(ValueError, match="closed"):
         store.write([0], views[:1])
+
+
+def test_concurrent_calls_on_disjoint_slots(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = DiskStore(tmp_path / "slots.bin", num_slots=64, slot_bytes=SLOT, max_io_bytes=SLOT * 4)
+    halves = [list(range(0, 32)), list(range(32, 64))]
+    with ThreadPoolExecutor(2) as pool:
+        written = list(pool.map(lambda s: store.write(s, _slot_views(32, lambda i: s[i] % 251)),
+                                halves))
+        out = [_slot_views(32), _slot_views(32)]
+        read = list(pool.map(lambda k: store.read(halves[k], out[k]), [0, 1]))
+    assert written == read == [[None] * 32, [None] * 32]
+    for half, views in zip(halves, out):
+        assert [bytes(v[:1])[0] for v in views] == [slot % 251 for slot in half]
+    assert store.num_bytes_written == store.num_bytes_read == 64 * SLOT
+    assert store.num_io_calls == 2 * 2 * 8  # 4-slot calls: 8 per half, writes and reads
