@@ -147,8 +147,10 @@ class KVCacheManager:
                             token_ids[start:start + self.block_size])
         self._num_cached[key] = max(self._num_cached[key], num_full)
 
-    def block_ids(self, key: Hashable) -> List[BlockId]:
-        return [block.block_id for block in self._tables.get(key, ())]
+    def block_ids(self, key: Hashable, start: int = 0, stop: Optional[int] = None
+                  ) -> List[BlockId]:
+        """Ids of ``key``'s blocks ``start..stop-1`` (all by default). O(blocks returned)."""
+        return [block.block_id for block in self._tables.get(key, [])[start:stop]]
 
     def free(self, key: Hashable) -> None:
         """Release ``key``'s blocks, last block first so shared prefixes outlive tails."""

@@ -51,7 +51,7 @@ class RestoreChain:
 
     hashes: List[Optional[BlockHash]]  # None for a swapped-out partial block
     last_ticket: int
-    statuses: List[OpStatus] = field(default_factory=list)
+    statuses: List[OpStatus] = field(init=False)  # worst agreed outcome per block
 
     def __post_init__(self) -> None:
         self.statuses = [OpStatus.OK] * len(self.hashes)
@@ -86,7 +86,6 @@ class _ChainStep:
     chain: RestoreChain
     index: int
     host_slot: int
-    is_disk_read: bool
 
 
 _Record = Union[_SpillDone, _DiskWriteDone, _ChainStep, None]
@@ -218,11 +217,11 @@ class KVTiers:
             slot = self._host_slot_for(hit, disk_slots.get(hit.block_hash), chain, index)
             self.host.policy.record_access(hit.block_hash)
             self._issue(Restore(slot, block.block_id, hit.block_hash),
-                        _ChainStep(chain, index, slot, False))
+                        _ChainStep(chain, index, slot))
             self.stats.num_restored_blocks += 1
         if swapped is not None:
             slot, tag, block = swapped
-            self._issue(Restore(slot, block.block_id, tag), _ChainStep(chain, len(hits), slot, False))
+            self._issue(Restore(slot, block.block_id, tag), _ChainStep(chain, len(hits), slot))
             self.stats.num_swapped_in += 1
         chain.last_ticket = self.num_issued - 1
         return chain
@@ -230,6 +229,10 @@ class KVTiers:
     def is_being_read(self, block_id: BlockId) -> bool:
         """Whether a spill of this device block may still be reading it (not yet committed)."""
         return block_id in self._spilling
+
+    @property
+    def has_spills_in_flight(self) -> bool:
+        return bool(self._spilling)
 
     def save_index(self) -> None:
         """Ask every rank to snapshot its disk checksums once the writes before it are done."""
@@ -340,6 +343,6 @@ class KVTiers:
             self.host.remove(hit.block_hash)
         self.host.insert(hit.block_hash, hit.token_ids, slot)
         self._issue(ReadDisk(disk_slot, slot, hit.block_hash),
-                    _ChainStep(chain, index, slot, True))
+                    _ChainStep(chain, index, slot))
         self.stats.num_disk_read_blocks += 1
         return slot

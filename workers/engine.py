@@ -18,6 +18,7 @@ import torch
 
 from kv.kv_cache import KVCacheSpec
 from kv.kv_manager import KVUsage
+from kv.tier_ops import TierOpResults
 from parallel.tp_group import TPGroupConfig
 from workers.config import EngineConfig
 from workers.default_model import resolve_model_path
@@ -25,7 +26,6 @@ from workers.detokenizer import IncrementalDetokenizer
 from workers.loader import checkpoint_files
 from workers.model_config import ModelConfig, load_model_config
 from workers.multiproc import RankLauncher, RankProcesses, free_tcp_init_method
-from kv.tier_ops import TierOpResults
 from workers.rank import RankConfig, build_rank, execute_plan, resolve_dtype
 from workers.request import FinishReason, Request, RequestId
 from workers.sampler import SampledToken, sample

@@ -16,12 +16,12 @@ from typing import Optional, Tuple
 import torch
 
 from kv.kv_cache import KVCache, KVCacheSpec
+from kv.tier_ops import TierOpResults
 from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
 from workers.loader import load_weights
 from workers.model_config import ModelConfig, load_model_config
 from workers.model_runner import ModelRunner
 from workers.models.registry import model_class
-from kv.tier_ops import TierOpResults
 from workers.step_plan import StepPlan, broadcast_plan
 from workers.tier_setup import RankTierConfig, RankTiers, build_rank_tiers
 

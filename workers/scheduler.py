@@ -123,13 +123,13 @@ class Scheduler:
     def _writes_spilling_block(self, scheduled: List[Tuple[Request, int]]) -> bool:
         """Whether this step writes KV into a block that a queued spill may still be reading."""
         tiers, bs = self.kv.tiers, self.kv.block_size
-        if tiers is None:
+        if tiers is None or not tiers.has_spills_in_flight:
             return False
         for request, num_new in scheduled:
-            block_ids = self.kv.block_ids(request.request_id)
             first = request.num_computed_tokens // bs
             last = (request.num_computed_tokens + num_new - 1) // bs
-            if any(tiers.is_being_read(b) for b in block_ids[first:last + 1]):
+            written = self.kv.block_ids(request.request_id, first, last + 1)
+            if any(tiers.is_being_read(b) for b in written):
                 return True
         return False
 
