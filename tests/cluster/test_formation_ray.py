@@ -40,7 +40,7 @@ from ray_clusters import loopback_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "topology"
+DATA = Path(__file__).resolve().parents[1] / "data" / "topology"
 NODE_ENV = {
     NVSMI_FILE_ENV: str(DATA / "nvidia-smi-topo_pcie2_phb.txt"),
     IBSTAT_FILE_ENV: str(DATA / "ibstat_a100_all_active.txt"),
@@ -63,8 +63,6 @@ class RankReporter:
 
 @pytest.fixture(scope="module")
 def two_node_cluster():
-    if not DATA.is_dir():
-        pytest.skip(f"topology fixtures not found at {DATA}")
     # The raylet's environment reaches every worker it starts, so each probe reads its node's.
     with loopback_cluster([dict(num_cpus=1, num_gpus=2, env_vars=NODE_ENV)] * 2) as cluster:
         yield cluster

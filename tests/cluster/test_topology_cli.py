@@ -11,13 +11,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-DATA = REPO.parent / "shared" / "data" / "topology"
+DATA = REPO / "tests" / "data" / "topology"
 H100_TOPO = DATA / "nvidia-smi-topo_h100x8_nv18_12nic.txt"
 PCIE_TOPO = DATA / "nvidia-smi-topo_pcie2_phb.txt"
 A100_IBSTAT = DATA / "ibstat_a100_all_active.txt"
 H100_IBSTAT = DATA / "ibstat_h100_all_active.txt"
-
-pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason=f"topology fixtures not found at {DATA}")
 
 
 def tpserve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
