@@ -528,7 +528,8 @@ def best_machine(first: Dict[str, float], last: Dict[str, float]) -> Dict[str, f
 
 def build_engine(args: argparse.Namespace) -> LLM:
     try:
-        llm = LLM(EngineConfig(model=args.model, tp_size=args.tp, block_size=args.block_size))
+        llm = LLM(EngineConfig(model=args.model, tp_size=args.tp, block_size=args.block_size,
+                               record_steps=True))
     except (OSError, ValueError) as exc:
         raise BenchInputError(f"--model {args.model} --tp {args.tp}: {exc}") from None
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))

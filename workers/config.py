@@ -30,6 +30,8 @@ class EngineConfig:
     kv_hotness_decay: float = 0.95  # EMA decay per request of the hotness policy
     kv_pin_threshold: float = 0.9  # hotness above which a block stays on the device
     kv_snapshot_interval_s: float = 300.0  # how often the disk tier's index is saved
+    # Keep a StepRecord per step (benchmarks): about 0.7 GB an hour in a busy server, so off.
+    record_steps: bool = False
 
     @property
     def has_host_tier(self) -> bool:

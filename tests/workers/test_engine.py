@@ -130,3 +130,13 @@ def test_kv_waste_is_the_unfilled_tail_of_each_request(engine):
     assert usage.num_allocated_slots == 12 and usage.num_filled_slots == 10
     while engine.has_unfinished():
         engine.step()
+
+
+def test_step_records_are_kept_only_when_asked_for(engine, tiny_llama):
+    run(engine, [5, 6, 7], max_tokens=4, **GREEDY)
+    assert engine.step_records == []  # a serving engine must not grow a list every step
+    config = EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=16, record_steps=True)
+    with LLM(config) as llm:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))
+        records = llm.engine.step_records
+    assert [r.num_tokens for r in records] == [3, 1, 1, 1]  # the prefill, then 3 decodes
