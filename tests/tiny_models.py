@@ -94,3 +94,14 @@ def hf_greedy(model_dir: Path, prompts, max_new_tokens: int):
 
 def read_json(path: Path):
     return json.loads(Path(path).read_text())
+
+
+def set_generation_eos(model_dir: Path, eos_token_id) -> None:
+    """Write ``generation_config.json`` with ``eos_token_id`` (int, list, or None: no field), as
+    Llama 3 Instruct lists ``<|eot_id|>`` there and not in config.json."""
+    path = Path(model_dir) / "generation_config.json"
+    fields = json.loads(path.read_text()) if path.exists() else {}
+    fields.pop("eos_token_id", None)
+    if eos_token_id is not None:
+        fields["eos_token_id"] = eos_token_id
+    path.write_text(json.dumps(fields, indent=2))

@@ -1,15 +1,20 @@
 """A checkpoint's ``config.json``, read into the few fields the Llama-family models need.
 
 Both spellings of RoPE settings are accepted: ``rope_theta`` + ``rope_scaling`` (checkpoints
-saved by transformers 4.x) and ``rope_parameters`` (transformers 5.x).
+saved by transformers 4.x) and ``rope_parameters`` (transformers 5.x). EOS ids are those of
+``config.json`` and of ``generation_config.json`` together: chat checkpoints (Llama 3 Instruct's
+``<|eot_id|>``) list their end-of-turn ids in the second file only.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -60,7 +65,8 @@ class ModelConfig:
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:
-    """Read and check ``model_dir/config.json``; errors name the file and the field."""
+    """Read and check ``model_dir/config.json``, adding the EOS ids ``generation_config.json``
+    lists; errors name the file and the field."""
     path = Path(model_dir) / "config.json"
     try:
         raw = json.loads(path.read_text())
@@ -68,7 +74,37 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         raise FileNotFoundError(f"{path} not found: expected a Hugging Face checkpoint directory")
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from None
-    return parse_model_config(raw, str(path))
+    config = parse_model_config(raw, str(path))
+    extra = [t for t in read_generation_eos(Path(model_dir)) if t not in config.eos_token_ids]
+    return replace(config, eos_token_ids=config.eos_token_ids + tuple(extra))
+
+
+def read_generation_eos(model_dir: Path) -> Tuple[int, ...]:
+    """The ``eos_token_id`` of ``model_dir/generation_config.json`` (int or list), () without one.
+
+    A file that cannot be read as such is ignored with a warning naming it, as vLLM does
+    (transformers refuses it with ``OSError``; vLLM then falls back to ``config.json``)."""
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return ()
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        logger.warning("%s is not valid JSON (%s); ignoring it, EOS ids from config.json only",
+                       path, exc)
+        return ()
+    if not isinstance(raw, dict):
+        logger.warning("%s is not a JSON object; ignoring it, EOS ids from config.json only", path)
+        return ()
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        logger.warning("%s: eos_token_id %r is not a token id or a list of them; ignoring it",
+                       path, eos)
+        return ()
+    return tuple(ids)
 
 
 def parse_model_config(raw: Dict[str, Any], source: str = "config.json") -> ModelConfig:
