@@ -101,6 +101,7 @@ class TierStats:
     num_io_errors: int = 0
     num_swapped_out: int = 0  # preempted requests' partial blocks kept on host
     num_swapped_in: int = 0  # of which copied back when their request resumed
+    num_spills_skipped: int = 0  # write-throughs dropped: every host slot was private
 
 
 class KVTiers:
@@ -160,6 +161,7 @@ class KVTiers:
             "io_errors_total": self.stats.num_io_errors,
             "swapped_out_total": self.stats.num_swapped_out,
             "swapped_in_total": self.stats.num_swapped_in,
+            "spills_skipped_total": self.stats.num_spills_skipped,
         }
         if self.disk is not None:
             out.update({
@@ -171,11 +173,18 @@ class KVTiers:
     # ----- issuing ops -----
 
     def write_through(self, blocks: Sequence[Block]) -> None:
-        """Copy newly released cached device blocks to the host tier (see the module docstring)."""
+        """Copy newly released cached device blocks to the host tier (see the module docstring).
+
+        Never raises for lack of room: while preempted requests' tails hold every host slot
+        privately, a block is skipped (``num_spills_skipped``) and stays on the device only, as
+        it would without a host tier. Cost: O(len(blocks)) plus one slot take per copy."""
         for block in blocks:
             block_hash = block.block_hash
             if (block_hash is None or block.ref_count != 0 or block_hash in self.host.entries
                     or self.pool.policy.is_pinned(block_hash)):
+                continue
+            if not self.host.can_take():
+                self.stats.num_spills_skipped += 1
                 continue
             slot = self._take_host_slot()
             self.host.insert(block_hash, block.token_ids, slot)

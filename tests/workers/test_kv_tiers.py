@@ -117,6 +117,21 @@ def test_preemption_swaps_to_host_and_back(model_dir):
     assert outs == reference
 
 
+def test_preemption_with_a_host_tier_of_private_slots_recomputes(model_dir):
+    """One host slot: the first preempted request's tail takes it, so write-through has nowhere
+    to put anyone's blocks; the engine skips those copies, recomputes and still matches."""
+    prompts = [FIRST[0][:20], FIRST[1][:18], FIRST[2][:22]]
+    reference = hf_greedy(model_dir, prompts, 24)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    with LLM(config(model_dir, num_kv_blocks=20, max_num_seqs=3, host_kv_blocks=1)) as llm:
+        outs = [o.output_token_ids for o in llm.generate(prompts, params)]
+        stats = tier_stats(llm).stats
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert stats.num_swapped_out > 0 and stats.num_spills_skipped > 0
+        assert stats.num_checksum_failures == 0
+    assert outs == reference
+
+
 def _flip_first_byte(tensor_or_path, offset=0):
     if isinstance(tensor_or_path, str):
         with open(tensor_or_path, "r+b") as f:

@@ -114,3 +114,28 @@ def test_ranks_wait_for_spills_only_when_the_step_writes_a_block_being_spilled()
         step = h.scheduler.schedule()
         assert [type(op) for op in step.plan.tier_ops] == [Spill] * 3
         assert step.plan.wait_spill_reads is expect_wait
+
+
+def test_preempting_into_a_host_tier_of_private_slots_skips_write_through():
+    """The preempted request's tail takes the only host slot; its full block then has nowhere to
+    go: write-through skips it (counted) instead of raising, and the request still resumes."""
+    h = Harness(num_blocks=4, host_blocks=1)
+    x = h.add([1, 2, 3])
+    y = h.add([4, 5])
+    h.step()  # x: 3 tokens in 2 blocks, y: 2 tokens in 1 block
+    h.step()  # x: 4 tokens, y: 3 tokens: the pool is full
+    step = h.step()  # x needs a third block: y is preempted with 3 tokens, 1 in a partial block
+    assert y.status == RequestStatus.WAITING and y.swapped_tail is not None
+    tiers = h.kv.tiers
+    assert tiers.stats.num_swapped_out == 1 and not tiers.host.can_take()
+    assert tiers.stats.num_spills_skipped == 1  # y's full block (4, 5): no slot to take
+    assert [type(op) for op in step.plan.tier_ops] == [Spill]  # the tail's swap-out only
+    assert tiers.usage()["spills_skipped_total"] == 1
+    h.scheduler.finish(x, FinishReason.STOP)  # x's full blocks find no slot either
+    assert tiers.stats.num_spills_skipped == 3
+    # y's full block is still cached on the device, so its tail comes back from its slot.
+    step = h.step()
+    assert [type(op) for op in step.plan.tier_ops] == [Restore]
+    assert y.status == RequestStatus.RUNNING and y.num_computed_tokens == 3
+    assert tiers.stats.num_swapped_in == 1
+    assert y.swapped_tail is None and tiers.host.can_take()  # the private slot came back
