@@ -57,7 +57,7 @@ class BlockPool:
         self.enable_prefix_cache = enable_prefix_cache
         self._cached: Dict[BlockHash, Block] = {}
         self.num_evicted = 0
-        self.num_pinned_evicted = 0  # cached blocks above the pin threshold, evicted as a last resort
+        self.num_held_evicted = 0  # hot (held) cached blocks, evicted as a last resort
 
     @property
     def num_blocks(self) -> int:
@@ -138,8 +138,8 @@ class BlockPool:
     def _take_victim(self) -> Block:
         block_hash = self.policy.victim()
         assert block_hash is not None, "no free block although num_free said so"
-        if self.policy.is_pinned(block_hash):
-            self.num_pinned_evicted += 1
+        if self.policy.is_held(block_hash):
+            self.num_held_evicted += 1
         self.policy.remove(block_hash)
         block = self._cached.pop(block_hash)
         block.block_hash = None

@@ -13,19 +13,21 @@ requests, of "this request used the block"::
     score(now) = score(last) * decay ** (now - last) + (1 - decay)     on an access at ``now``
     score(now) = score(last) * decay ** (now - last)                   between accesses
 
-A block used by every request tends to 1 (after n consecutive uses it is ``1 - decay ** n``), so a pin
-threshold of 0.9 means "used by nearly all recent requests", e.g. a shared system prompt. One tracker
-is shared by the policies of all tiers, so a block keeps its score when it moves between tiers.
+A block used by every request tends to 1 (after n consecutive uses it is ``1 - decay ** n``), so a
+hold threshold of 0.9 means "used by nearly all recent requests", e.g. a shared system prompt. One
+tracker is shared by the policies of all tiers, so a block keeps its score when it moves between
+tiers.
 
 Ordering trick. Between accesses, ``log score(now) = priority + now * log(decay)`` with the
 time-invariant ``priority = log score(last) - last * log(decay)``. Comparing priorities therefore
 compares current scores at any common time, and a heap keyed by priority never needs reordering as
 the clock advances: only an access changes a key's priority, and it only ever grows.
 
-Pinning. A key whose score exceeds the pin threshold is pinned: callers skip spilling it to a lower
-tier and count its evictions. It is still evicted as a last resort: ``victim()`` always returns the
-coldest key, and if that key is pinned then every present key is pinned. Returning it anyway means a
-pinned set larger than the tier cannot deadlock allocation.
+Holding. A key whose score exceeds the hold threshold (``--kv-pin-threshold``) is held, or hot (not
+"pinned": that names page-locked host memory): callers skip spilling it to a lower tier and count
+its evictions. It is still evicted as a last resort: ``victim()`` always returns the coldest key,
+and if that key is held then every present key is held. Returning it anyway means a held set larger
+than the tier cannot deadlock allocation.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class EvictionPolicy(ABC):
     def record_access(self, key: Hashable) -> None:
         """A request used this block; ``key`` may or may not be present."""
 
-    def is_pinned(self, key: Hashable) -> bool:
+    def is_held(self, key: Hashable) -> bool:
         """Whether ``key`` is hot enough that callers should not spill it. Always ``False`` here."""
         return False
 
@@ -186,16 +188,17 @@ class HotnessPolicy(EvictionPolicy):
     ``victim`` cost O(log n) amortized, ``remove`` O(1); the heap is rebuilt in O(n) when dead
     entries outnumber live ones, so it stays O(n) in size. ``victim()`` only returns present keys.
 
-    Pinned keys (score above ``pin_threshold``) are evicted only as a last resort: ``victim()``
-    returns the coldest key, so a pinned victim means every present key is pinned. It is returned
-    anyway (the caller counts that), so a pinned set larger than the tier cannot deadlock allocation.
+    Held keys (score above ``hold_threshold``) are evicted only as a last resort: ``victim()``
+    returns the coldest key, so a held victim means every present key is held. It is returned
+    anyway (the caller counts that), so a held set larger than the tier cannot deadlock allocation.
     """
 
-    def __init__(self, tracker: HotnessTracker, pin_threshold: Optional[float] = 0.9) -> None:
-        if pin_threshold is not None and not 0.0 < pin_threshold <= 1.0:
-            raise ValueError(f"pin_threshold must be in (0, 1] or None, got {pin_threshold!r}")
+    def __init__(self, tracker: HotnessTracker, hold_threshold: Optional[float] = 0.9) -> None:
+        if hold_threshold is not None and not 0.0 < hold_threshold <= 1.0:
+            raise ValueError(f"hold_threshold (--kv-pin-threshold) must be in (0, 1] or None, "
+                             f"got {hold_threshold!r}")
         self.tracker = tracker
-        self.pin_threshold = pin_threshold
+        self.hold_threshold = hold_threshold
         self._heap: List[Tuple[float, int, Hashable]] = []
         self._live: Dict[Hashable, Tuple[float, int]] = {}  # key -> (last pushed priority, seq)
         self._seq = itertools.count()
@@ -233,9 +236,9 @@ class HotnessPolicy(EvictionPolicy):
         if live is not None and live[0] != self.tracker.priority(key):
             self._push(key, live[1])
 
-    def is_pinned(self, key: Hashable) -> bool:
-        """Whether the key's current score exceeds the pin threshold (never, without one)."""
-        return self.pin_threshold is not None and self.tracker.score(key) > self.pin_threshold
+    def is_held(self, key: Hashable) -> bool:
+        """Whether the key's current score exceeds the hold threshold (never, without one)."""
+        return self.hold_threshold is not None and self.tracker.score(key) > self.hold_threshold
 
     def _push(self, key: Hashable, seq: int) -> None:
         priority = self.tracker.priority(key)
@@ -250,16 +253,16 @@ class HotnessPolicy(EvictionPolicy):
 
 
 def make_policy(
-    name: str, tracker: Optional[HotnessTracker], pin_threshold: Optional[float]
+    name: str, tracker: Optional[HotnessTracker], hold_threshold: Optional[float]
 ) -> EvictionPolicy:
     """The policy named by ``--kv-eviction``: ``"lru"`` or ``"hotness"`` (which needs ``tracker``).
 
-    ``tracker`` and ``pin_threshold`` are ignored for ``"lru"``.
+    ``tracker`` and ``hold_threshold`` (``--kv-pin-threshold``) are ignored for ``"lru"``.
     """
     if name == "lru":
         return LRUPolicy()
     if name == "hotness":
         if tracker is None:
             raise ValueError("--kv-eviction hotness needs a HotnessTracker shared by all tiers")
-        return HotnessPolicy(tracker, pin_threshold)
+        return HotnessPolicy(tracker, hold_threshold)
     raise ValueError(f"--kv-eviction must be lru or hotness, got {name!r}")

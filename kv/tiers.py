@@ -7,8 +7,8 @@
          +----Restore-------+    +------ReadDisk------+
 
 - Write-through on release: when a request lets go of a full, hashed device block that no other
-  request holds, the block is copied to the host tier (unless already there, or hot enough to stay
-  pinned on device), so evicting it from the device later costs nothing. The block is not held:
+  request holds, the block is copied to the host tier (unless already there, or hot enough to be
+  held on device), so evicting it from the device later costs nothing. The block is not held:
   when a step's model would write a block a spill may still be reading (``is_being_read``), every
   rank first waits for the device side of its queued spills.
 - The host tier makes room by evicting its policy's victim; a victim not yet on disk is written
@@ -181,7 +181,7 @@ class KVTiers:
         for block in blocks:
             block_hash = block.block_hash
             if (block_hash is None or block.ref_count != 0 or block_hash in self.host.entries
-                    or self.pool.policy.is_pinned(block_hash)):
+                    or self.pool.policy.is_held(block_hash)):
                 continue
             if not self.host.can_take():
                 self.stats.num_spills_skipped += 1

@@ -177,8 +177,8 @@ def build_kv_manager(config: EngineConfig, num_blocks: int,
     """Rank 0's block manager, with host and disk tier bookkeeping when configured."""
     tracker = HotnessTracker(config.kv_hotness_decay) if config.kv_eviction == "hotness" else None
 
-    def policy(pin: Optional[float]):
-        return make_policy(config.kv_eviction, tracker, pin)
+    def policy(hold_threshold: Optional[float]):
+        return make_policy(config.kv_eviction, tracker, hold_threshold)
 
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_cache,
                         policy(config.kv_pin_threshold), tracker)

@@ -31,7 +31,7 @@ def test_empty_blocks_go_before_cached_ones_and_cached_ones_in_lru_order():
 
 def test_hotness_policy_keeps_the_block_many_requests_used():
     tracker = HotnessTracker(0.9)
-    pool = BlockPool(3, policy=HotnessPolicy(tracker, pin_threshold=None))
+    pool = BlockPool(3, policy=HotnessPolicy(tracker, hold_threshold=None))
     hot, cold, _ = pool.allocate(3)
     h_hot = _cache_and_free(pool, hot, [1])
     _cache_and_free(pool, cold, [2])

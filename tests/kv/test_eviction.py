@@ -1,5 +1,5 @@
-"""Eviction policies: LRU order, hotness scores and decay, pinning, a shared tracker, and the heap
-against a brute-force model under random operations."""
+"""Eviction policies: LRU order, hotness scores and decay, holding hot keys, a shared tracker, and
+the heap against a brute-force model under random operations."""
 
 import math
 
@@ -30,7 +30,7 @@ def test_lru_evicts_least_recently_inserted_or_accessed():
     assert lru.victim() == 3  # victim() does not remove
     assert drain(lru) == [3, 4, 2, 1]
     assert lru.victim() is None
-    assert not lru.is_pinned(1)
+    assert not lru.is_held(1)
 
 
 @pytest.mark.parametrize("make", [LRUPolicy, lambda: HotnessPolicy(HotnessTracker())])
@@ -127,25 +127,25 @@ def test_old_hot_key_decays_below_a_recent_one():
     assert policy.victim() == "old"
 
 
-def test_pinned_after_enough_consecutive_uses_and_still_evicted_last():
+def test_held_after_enough_consecutive_uses_and_still_evicted_last():
     # After n consecutive uses the score is 1 - 0.95**n; it exceeds 0.9 first at n = 45.
     n = math.ceil(math.log(0.1) / math.log(DECAY))
     assert n == 45
     tracker = HotnessTracker(DECAY)
-    policy = HotnessPolicy(tracker, pin_threshold=0.9)
+    policy = HotnessPolicy(tracker, hold_threshold=0.9)
     policy.insert("prompt")
     policy.insert("cold")
     for i in range(n):
-        assert not policy.is_pinned("prompt")
+        assert not policy.is_held("prompt")
         policy.record_access("prompt")
         if i < n - 1:
             tracker.tick()
     assert tracker.score("prompt") == pytest.approx(1 - DECAY**n)
-    assert policy.is_pinned("prompt") and not policy.is_pinned("cold")
+    assert policy.is_held("prompt") and not policy.is_held("cold")
     assert policy.victim() == "cold"
     policy.remove("cold")
-    assert policy.victim() == "prompt"  # only pinned keys remain: still evictable
-    assert not HotnessPolicy(tracker, pin_threshold=None).is_pinned("prompt")
+    assert policy.victim() == "prompt"  # only held keys remain: still evictable
+    assert not HotnessPolicy(tracker, hold_threshold=None).is_held("prompt")
 
 
 def test_shared_tracker_keeps_the_score_across_tiers():
@@ -191,8 +191,8 @@ def test_bad_decay(decay):
 
 
 @pytest.mark.parametrize("threshold", [0.0, -0.1, 1.01, float("nan")])
-def test_bad_pin_threshold(threshold):
-    with pytest.raises(ValueError, match="pin_threshold"):
+def test_bad_hold_threshold(threshold):
+    with pytest.raises(ValueError, match="hold_threshold"):
         HotnessPolicy(HotnessTracker(), threshold)
 
 
@@ -200,7 +200,7 @@ def test_make_policy():
     tracker = HotnessTracker()
     assert isinstance(make_policy("lru", None, None), LRUPolicy)
     policy = make_policy("hotness", tracker, 0.8)
-    assert isinstance(policy, HotnessPolicy) and policy.tracker is tracker and policy.pin_threshold == 0.8
+    assert isinstance(policy, HotnessPolicy) and policy.tracker is tracker and policy.hold_threshold == 0.8
     with pytest.raises(ValueError, match="needs a HotnessTracker"):
         make_policy("hotness", None, 0.9)
     with pytest.raises(ValueError, match="--kv-eviction must be lru or hotness, got 'lfu'"):
