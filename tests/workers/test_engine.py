@@ -140,3 +140,37 @@ def test_step_records_are_kept_only_when_asked_for(engine, tiny_llama):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))
         records = llm.engine.step_records
     assert [r.num_tokens for r in records] == [3, 1, 1, 1]  # the prefill, then 3 decodes
+
+
+def _stop_across_a_token_boundary(engine, token_ids, text):
+    """A two-character stop string whose first character ends one token and whose second starts
+    the next, occurring first at that boundary in ``text``."""
+    decoded = [engine.tokenizer.decode(token_ids[:k], skip_special_tokens=True)
+               for k in range(len(token_ids) + 1)]
+    for before, after in zip(decoded[1:], decoded[2:]):
+        if not text.startswith(after) or len(after) <= len(before):
+            continue  # the boundary splits a character
+        stop = before[-1] + after[len(before)]
+        if "\ufffd" not in stop and text.find(stop) == len(before) - 1:
+            return stop
+    pytest.fail(f"no token boundary in {text!r} to put a stop string across")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_across_tokens_never_reaches_the_stream(engine, include):
+    full = run(engine, "hello world", max_tokens=40, ignore_eos=True, **GREEDY)[-1]
+    stop = _stop_across_a_token_boundary(engine, full.output_token_ids, full.text)
+    stream = run(engine, "hello world", max_tokens=40, stop=(stop,),
+                 include_stop_str_in_output=include, **GREEDY)
+    cut = full.text.find(stop) + (len(stop) if include else 0)
+    assert stream[-1].finish_reason == "stop"
+    assert stream[-1].text == full.text[:cut]
+    assert "".join(o.delta_text for o in stream) == full.text[:cut]
+
+
+def test_text_held_for_a_stop_string_that_never_came_is_released_at_the_end(engine):
+    full = run(engine, "hello world", max_tokens=12, ignore_eos=True, **GREEDY)[-1]
+    stop = full.text[-1] + "\x00never"  # the last character could start it: held, then flushed
+    stream = run(engine, "hello world", max_tokens=12, ignore_eos=True, stop=(stop,), **GREEDY)
+    assert stream[-1].finish_reason == "length" and stream[-1].text == full.text
+    assert "".join(o.delta_text for o in stream) == full.text
