@@ -10,6 +10,17 @@ Decodes (``query_len == 1``) form buckets of similar context lengths: padded gat
 keys and a boolean mask, so each bucket attends in one batched call per layer. Prefills attend one
 sequence at a time (``PrefillSlice``): padding prompts of different lengths to the longest would
 cost more than the extra calls, and a prefill without a cached prefix needs no mask at all.
+
+With a sliding window of ``W`` tokens a query at position ``p`` sees the keys ``p-W+1 .. p``, and
+only those keys are gathered: a windowed decode costs O(W), not O(context), and a slot before
+``first_key_position`` is never read, so the blocks wholly before it may hold anything (the
+scheduler frees them once they left the window of every layer)::
+
+    seq b:  [ left the window: never read ][ window of the first query ][ this step ]
+             0                             first_key_position           num_computed
+
+Layers with different windows (Qwen2's ``max_window_layers``) get their own buckets and prefills;
+positions and slots are shared.
 """
 
 from __future__ import annotations
@@ -41,8 +52,9 @@ class AttentionBucket:
     """Padded gather indices for ``B`` sequences of one bucket."""
 
     query_index: torch.Tensor  # [B, max_q] rows of the flat batch; padding points at row T
-    kv_slots: torch.Tensor  # [B, max_ctx] cache slots of every key; padding points at slot 0
-    mask: torch.Tensor  # [B, 1, max_q, max_ctx] True where the query may attend to the key
+    kv_slots: torch.Tensor  # [B, K] slots of the keys from the first visible one; padding
+    #                         repeats the sequence's last slot
+    mask: torch.Tensor  # [B, 1, max_q, K] True where the query may attend to the key
     valid: torch.Tensor  # [B * max_q] True for real (unpadded) query rows
     token_index: torch.Tensor  # [num valid] rows of the flat batch, in the order of valid rows
 
@@ -53,8 +65,8 @@ class PrefillSlice:
 
     start: int
     end: int
-    kv_slots: torch.Tensor  # [context_len] cache slots of its keys, in position order
-    mask: Optional[torch.Tensor]  # [1, 1, query_len, context_len]; None: plain causal
+    kv_slots: torch.Tensor  # [K] slots of the keys its queries may see, in position order
+    mask: Optional[torch.Tensor]  # [1, 1, query_len, K]; None: plain causal
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,15 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V goes to
     buckets: List[AttentionBucket]  # the decodes, batched
     prefills: List[PrefillSlice]
+    sliding_window: Optional[int] = None  # the window these indices apply, None: full attention
+
+
+def first_key_position(num_computed: int, sliding_window: Optional[int]) -> int:
+    """The first position that a query at ``num_computed`` or later may attend to: the keys
+    before it have left the window for good (0 without a window)."""
+    if sliding_window is None:
+        return 0
+    return max(0, num_computed - sliding_window + 1)
 
 
 def build_attention_metadata(
@@ -75,6 +96,20 @@ def build_attention_metadata(
     sliding_window: Optional[int] = None,
 ) -> AttentionMetadata:
     """Indices for a step whose flat batch holds ``seqs``' new tokens in order."""
+    return build_layer_metadata(seqs, block_size, device, [sliding_window])[0]
+
+
+def build_layer_metadata(
+    seqs: Sequence[SeqSlice],
+    block_size: int,
+    device: torch.device,
+    layer_windows: Sequence[Optional[int]],
+) -> List[AttentionMetadata]:
+    """Indices for each layer, given each layer's window (None: full attention).
+
+    Layers with the same window share one object: a model whose layers all have the same window
+    builds its indices once, one mixing full and windowed layers twice. Cost per window: O(T)
+    plus the gather indices, O(sum over decodes of the keys they see)."""
     starts, positions, slots = [], [], []
     offset = 0
     for seq in seqs:
@@ -83,69 +118,81 @@ def build_attention_metadata(
         pos = range(seq.num_computed, seq.context_len)
         positions.extend(pos)
         slots.extend(seq.block_ids[p // block_size] * block_size + p % block_size for p in pos)
+    positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+    slots_t = torch.tensor(slots, dtype=torch.long, device=device)
     # Decodes sorted by context length, in buckets of similar lengths: each bucket pads its
     # gathered K/V only to its own longest context.
     decodes = sorted((i for i, s in enumerate(seqs) if s.query_len == 1),
                      key=lambda i: seqs[i].context_len)
-    buckets = [
-        _build_bucket([seqs[i] for i in group], [starts[i] for i in group], offset, block_size,
-                      device, sliding_window)
-        for group in (decodes[k:k + DECODE_BUCKET_SIZE]
-                      for k in range(0, len(decodes), DECODE_BUCKET_SIZE))
-    ]
-    prefills = [_build_prefill(seq, start, block_size, device, sliding_window)
-                for seq, start in zip(seqs, starts) if seq.query_len > 1]
-    return AttentionMetadata(
-        num_tokens=offset,
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        buckets=buckets,
-        prefills=prefills,
-    )
+    groups = [decodes[k:k + DECODE_BUCKET_SIZE] for k in range(0, len(decodes), DECODE_BUCKET_SIZE)]
+    by_window = {}
+    for window in dict.fromkeys(layer_windows):
+        buckets = [_build_bucket([seqs[i] for i in group], [starts[i] for i in group], offset,
+                                 block_size, device, window) for group in groups]
+        prefills = [_build_prefill(seq, start, block_size, device, window)
+                    for seq, start in zip(seqs, starts) if seq.query_len > 1]
+        by_window[window] = AttentionMetadata(offset, positions_t, slots_t, buckets, prefills,
+                                              window)
+    return [by_window[window] for window in layer_windows]
 
 
 def _build_prefill(seq: SeqSlice, start: int, block_size: int, device: torch.device,
                    sliding_window: Optional[int]) -> PrefillSlice:
-    key_pos = torch.arange(seq.context_len)  # [ctx]
-    blocks = torch.as_tensor(list(seq.block_ids[:-(-seq.context_len // block_size)]))
-    kv_slots = blocks[key_pos // block_size] * block_size + key_pos % block_size
+    first = first_key_position(seq.num_computed, sliding_window)
+    key_pos = torch.arange(first, seq.context_len)  # [K] the keys this chunk's queries may see
+    first_block = first // block_size
+    blocks = torch.as_tensor(
+        list(seq.block_ids[first_block:-(-seq.context_len // block_size)]), dtype=torch.long)
+    kv_slots = blocks[key_pos // block_size - first_block] * block_size + key_pos % block_size
     mask = None
     windowed = sliding_window is not None and seq.context_len > sliding_window
     if seq.num_computed or windowed:  # a cached prefix shifts the diagonal; a window cuts it
         q_pos = torch.arange(seq.num_computed, seq.context_len)[:, None]  # [q, 1]
-        mask = key_pos[None, :] <= q_pos
+        mask = key_pos[None, :] <= q_pos  # [q, K]
         if windowed:
             mask &= key_pos[None, :] > q_pos - sliding_window
         mask = mask[None, None].to(device)
     return PrefillSlice(start, start + seq.query_len, kv_slots.to(device), mask)
 
 
+def _key_slots(seqs: Sequence[SeqSlice], first: torch.Tensor, max_keys: int,
+               block_size: int) -> torch.Tensor:
+    """``[B, max_keys]`` cache slots of the keys at positions ``first[b] + j``; the padding past
+    a sequence's last key repeats that key's slot (the mask hides it)."""
+    context_len = torch.tensor([s.context_len for s in seqs])  # [B]
+    key_pos = first[:, None] + torch.arange(max_keys)[None, :]  # [B, K]
+    key_pos = torch.minimum(key_pos, context_len[:, None] - 1)
+    first_block = first // block_size  # [B]
+    rows = [list(s.block_ids[int(f):-(-s.context_len // block_size)])
+            for s, f in zip(seqs, first_block)]
+    table = torch.zeros(len(seqs), max(len(r) for r in rows), dtype=torch.long)  # [B, blocks]
+    for b, row in enumerate(rows):
+        table[b, :len(row)] = torch.as_tensor(row, dtype=torch.long)
+    block_index = key_pos // block_size - first_block[:, None]  # [B, K]
+    return table.gather(1, block_index) * block_size + key_pos % block_size
+
+
 def _build_bucket(
     seqs: Sequence[SeqSlice], starts: Sequence[int], num_tokens: int, block_size: int,
     device: torch.device, sliding_window: Optional[int],
 ) -> AttentionBucket:
-    num_seqs = len(seqs)
     max_q = max(s.query_len for s in seqs)
-    max_ctx = max(s.context_len for s in seqs)
-    max_blocks = (max_ctx + block_size - 1) // block_size
-    table = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
-    for b, seq in enumerate(seqs):
-        used = (seq.context_len + block_size - 1) // block_size
-        table[b, :used] = torch.as_tensor(list(seq.block_ids[:used]), dtype=torch.long)
-    key_pos = torch.arange(max_ctx)  # [max_ctx]
-    kv_slots = table[:, key_pos // block_size] * block_size + key_pos % block_size
-
     query_len = torch.tensor([s.query_len for s in seqs])  # [B]
     context_len = torch.tensor([s.context_len for s in seqs])  # [B]
+    first = torch.tensor([first_key_position(s.num_computed, sliding_window) for s in seqs])
+    max_keys = int((context_len - first).max())
+    kv_slots = _key_slots(seqs, first, max_keys, block_size)  # [B, K]
+    key_pos = first[:, None] + torch.arange(max_keys)[None, :]  # [B, K]
+
     q_offset = torch.arange(max_q)  # [max_q]
     valid_q = q_offset[None, :] < query_len[:, None]  # [B, max_q]
     query_index = torch.tensor(starts)[:, None] + q_offset[None, :]
     query_index = torch.where(valid_q, query_index, torch.full_like(query_index, num_tokens))
     # Absolute position of each query; a key is visible if it is not after the query.
     q_pos = (context_len - query_len)[:, None] + q_offset[None, :]  # [B, max_q]
-    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, max_q, max_ctx]
+    mask = key_pos[:, None, :] <= q_pos[:, :, None]  # [B, max_q, K]
     if sliding_window is not None:
-        mask &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        mask &= key_pos[:, None, :] > q_pos[:, :, None] - sliding_window
     mask &= valid_q[:, :, None]
     mask[:, :, 0] |= ~valid_q  # padding rows look at one key so softmax stays finite
     valid = valid_q.reshape(-1)

@@ -1,13 +1,15 @@
 """Paged attention over block tables in plain PyTorch (runs on CPU and CUDA alike).
 
-Decodes: queries and the keys/values of every cached position are gathered into padded dense
-tensors and attended with one ``scaled_dot_product_attention`` call. Grouped-query attention
+Decodes: queries and the keys/values of every visible cached position are gathered into padded
+dense tensors and attended with one ``scaled_dot_product_attention`` call. Grouped-query attention
 never repeats K/V there: the ``G`` query heads that share a KV head are folded into the query
 length, ``[B, Hkv, G, D]``, so a KV head is read once for its whole group. Cost per layer: a
-gather of ``B * max_ctx`` K and V rows and ``B * H * max_ctx`` scores.
+gather of ``B * K`` K and V rows and ``B * H * K`` scores, ``K`` the longest context in the bucket
+or at most the sliding window: keys that left the window are not gathered at all.
 
 Prefills: one call per sequence over its exact context (no padding), causal without a mask when
-nothing is cached before it. Cost per layer: ``H * query_len * context_len`` scores.
+nothing is cached before it. Cost per layer: ``H * query_len * K`` scores, ``K`` the keys its
+queries may see (the context, or the window plus the chunk).
 """
 
 from __future__ import annotations
@@ -46,10 +48,10 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_heads, head_dim = query.shape[1:]
     group = num_heads // k_cache.shape[1]
     q = query[prefill.start:prefill.end].transpose(0, 1)  # [H, q, D]
-    k = k_cache[prefill.kv_slots].transpose(0, 1)  # [Hkv, ctx, D]
+    k = k_cache[prefill.kv_slots].transpose(0, 1)  # [Hkv, K, D]
     v = v_cache[prefill.kv_slots].transpose(0, 1)
     if group > 1:
-        k = k.repeat_interleave(group, dim=0)  # [H, ctx, D]
+        k = k.repeat_interleave(group, dim=0)  # [H, K, D]
         v = v.repeat_interleave(group, dim=0)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=prefill.mask,
@@ -68,9 +70,9 @@ def _attend_bucket(
     q = padded_query[bucket.query_index]  # [B, max_q, H, D]
     q = q.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_seqs, num_kv_heads, group * max_q, head_dim)  # [B, Hkv, G*max_q, D]
-    k = k_cache[bucket.kv_slots].transpose(1, 2)  # [B, Hkv, max_ctx, D]
-    v = v_cache[bucket.kv_slots].transpose(1, 2)  # [B, Hkv, max_ctx, D]
-    mask = bucket.mask  # [B, 1, max_q, max_ctx]
+    k = k_cache[bucket.kv_slots].transpose(1, 2)  # [B, Hkv, K, D]
+    v = v_cache[bucket.kv_slots].transpose(1, 2)  # [B, Hkv, K, D]
+    mask = bucket.mask  # [B, 1, max_q, K]
     if group > 1:
         mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(
             num_seqs, 1, group * max_q, mask.shape[-1])
