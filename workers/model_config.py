@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional, Tuple
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     rope: RopeConfig
-    sliding_window: Optional[int]
+    layer_windows: Tuple[Optional[int], ...]  # per layer: its sliding window in tokens, or None
     torch_dtype: str
     eos_token_ids: tuple
     bos_token_id: Optional[int]
@@ -123,16 +124,14 @@ def parse_model_config(raw: Dict[str, Any], source: str = "config.json") -> Mode
     num_heads = need("num_attention_heads")
     hidden = need("hidden_size")
     is_qwen2 = arch == "Qwen2ForCausalLM"
-    window = raw.get("sliding_window")
-    if is_qwen2 and not raw.get("use_sliding_window", False):
-        window = None
+    num_layers = need("num_hidden_layers")
     eos = raw.get("eos_token_id")
     return ModelConfig(
         architecture=arch,
         vocab_size=need("vocab_size"),
         hidden_size=hidden,
         intermediate_size=need("intermediate_size"),
-        num_layers=need("num_hidden_layers"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=raw.get("num_key_value_heads") or num_heads,
         head_dim=raw.get("head_dim") or hidden // num_heads,
@@ -143,11 +142,47 @@ def parse_model_config(raw: Dict[str, Any], source: str = "config.json") -> Mode
         o_bias=not is_qwen2 and bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         rope=_parse_rope(raw, source),
-        sliding_window=window,
+        layer_windows=_layer_windows(raw, arch, num_layers, source),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
         bos_token_id=raw.get("bos_token_id"),
     )
+
+
+def _layer_windows(raw: Dict[str, Any], arch: str, num_layers: int,
+                   source: str) -> Tuple[Optional[int], ...]:
+    """Each layer's sliding window, following transformers 5.x.
+
+    Mistral slides on every layer when ``sliding_window`` is set (its ``layer_types`` are
+    ignored, as transformers ignores them). Qwen2 slides only with ``use_sliding_window``, and
+    only on the layers ``layer_types`` marks ``sliding_attention``; a config without
+    ``layer_types`` (transformers 4.x) marks the layers with index >= ``max_window_layers``.
+    Llama has no window."""
+    window = raw.get("sliding_window")
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    if (arch == "LlamaForCausalLM" or window is None
+            or (is_qwen2 and not raw.get("use_sliding_window", False))):
+        return (None,) * num_layers
+    if type(window) is not int or window < 1:
+        raise ValueError(f"{source}: sliding_window {window!r} is not a positive token count")
+    if not is_qwen2:
+        return (window,) * num_layers
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        first = raw.get("max_window_layers", 28)  # transformers' Qwen2Config default
+        layer_types = ["sliding_attention" if i >= first else "full_attention"
+                       for i in range(num_layers)]
+    if not isinstance(layer_types, list):
+        raise ValueError(f"{source}: layer_types {layer_types!r} is not a list of layer types")
+    layer_types = ["full_attention" if t == "attention" else t for t in layer_types]  # legacy name
+    if len(layer_types) != num_layers:
+        raise ValueError(f"{source}: layer_types lists {len(layer_types)} layers; the model has "
+                         f"{num_layers} layers (num_hidden_layers)")
+    unknown = sorted({str(t) for t in layer_types} - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"{source}: layer_types {', '.join(unknown)} not supported; expected "
+                         f"{' or '.join(LAYER_TYPES)} for each layer")
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
 
 
 def _parse_rope(raw: Dict[str, Any], source: str) -> RopeConfig:

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from kv.attention_metadata import SeqSlice, build_attention_metadata
+from kv.attention_metadata import SeqSlice, build_layer_metadata
 from kv.kv_cache import KVCache
 from workers.models.llama import LlamaForCausalLM
 from workers.step_plan import NewSeqStep, StepPlan
@@ -48,8 +48,8 @@ class ModelRunner:
             self._num_computed[step.seq_id] = num_computed + len(step.token_ids)
             if step.needs_logits:
                 last_rows.append(len(input_ids) - 1)
-        metadata = build_attention_metadata(slices, self.block_size, self.device,
-                                            self.model.config.sliding_window)
+        metadata = build_layer_metadata(slices, self.block_size, self.device,
+                                        self.model.config.layer_windows)
         tokens = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(tokens, metadata, self.kv_cache)  # [T, hidden]
         rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)

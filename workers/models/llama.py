@@ -4,7 +4,7 @@ KV cache. Parameter names follow the Hugging Face checkpoints; q/k/v and gate/up
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -122,11 +122,12 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, metadata: AttentionMetadata,
+    def forward(self, input_ids: torch.Tensor, metadata: Sequence[AttentionMetadata],
                 kv_cache: KVCache) -> torch.Tensor:
+        """``metadata[i]`` holds layer i's indices: layers differ by their sliding window."""
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
         for index, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, metadata, *kv_cache.layer(index))
+            hidden = layer(hidden, metadata[index], *kv_cache.layer(index))
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
