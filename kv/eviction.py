@@ -24,10 +24,11 @@ compares current scores at any common time, and a heap keyed by priority never n
 the clock advances: only an access changes a key's priority, and it only ever grows.
 
 Holding. A key whose score exceeds the hold threshold (``--kv-pin-threshold``) is held, or hot (not
-"pinned": that names page-locked host memory): callers skip spilling it to a lower tier and count
-its evictions. It is still evicted as a last resort: ``victim()`` always returns the coldest key,
-and if that key is held then every present key is held. Returning it anyway means a held set larger
-than the tier cannot deadlock allocation.
+"pinned": that names page-locked host memory): it is evicted only as a last resort, and callers
+count those evictions. ``victim()`` always returns the coldest key, and if that key is held then
+every present key is held. Returning it anyway means a held set larger than the tier cannot
+deadlock allocation; so a held block may still leave the device, and the tiers below keep a copy
+of it like of any other block (``kv/tiers.py``).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class EvictionPolicy(ABC):
         """A request used this block; ``key`` may or may not be present."""
 
     def is_held(self, key: Hashable) -> bool:
-        """Whether ``key`` is hot enough that callers should not spill it. Always ``False`` here."""
+        """Whether ``key`` is hot enough to be evicted only as a last resort. ``False`` here."""
         return False
 
 

@@ -6,11 +6,12 @@
          ^                  |    ^                    |
          +----Restore-------+    +------ReadDisk------+
 
-- Write-through on release: when a request lets go of a full, hashed device block that no other
-  request holds, the block is copied to the host tier (unless already there, or hot enough to be
-  held on device), so evicting it from the device later costs nothing. The block is not held:
-  when a step's model would write a block a spill may still be reading (``is_being_read``), every
-  rank first waits for the device side of its queued spills.
+- Write-through on release: when the last request using a full, hashed device block lets go of
+  it, the block is copied to the host tier (unless already there), so evicting it from the device
+  later costs nothing. Hot blocks too: the device holds them, but still evicts them as a last
+  resort. A spill takes no reference on its block: when a step's model would write a block a
+  spill may still be reading (``is_being_read``), every rank first waits for the device side of
+  its queued spills.
 - The host tier makes room by evicting its policy's victim; a victim not yet on disk is written
   there first (inclusive hierarchy: a block read back from disk keeps its disk copy).
 - A prefix that misses on the device and hits below is restored: disk blocks are read into host
@@ -178,10 +179,13 @@ class KVTiers:
         Never raises for lack of room: while preempted requests' tails hold every host slot
         privately, a block is skipped (``num_spills_skipped``) and stays on the device only, as
         it would without a host tier. Cost: O(len(blocks)) plus one slot take per copy."""
+        # Hot (held) blocks are copied as well: the pool still evicts them as a last resort, and
+        # copying one now, off the critical path and once per stay on host (their score keeps
+        # them there), is cheaper than copying it when it is evicted, which would make the step
+        # that reuses the block wait until the copy has read it.
         for block in blocks:
             block_hash = block.block_hash
-            if (block_hash is None or block.ref_count != 0 or block_hash in self.host.entries
-                    or self.pool.policy.is_held(block_hash)):
+            if block_hash is None or block.ref_count != 0 or block_hash in self.host.entries:
                 continue
             if not self.host.can_take():
                 self.stats.num_spills_skipped += 1

@@ -4,7 +4,7 @@ copies finished; a failed copy makes it compute from that block on."""
 
 import torch
 
-from kv.eviction import LRUPolicy
+from kv.eviction import HotnessPolicy, HotnessTracker, LRUPolicy
 from kv.kv_manager import KVCacheManager
 from kv.tier_index import TierIndex
 from kv.tier_ops import OpStatus, Restore, Spill, TierOpResults
@@ -20,9 +20,13 @@ BLOCK = 2
 class Harness:
     """Steps the scheduler like the engine does; the ranks' transfers succeed unless told."""
 
-    def __init__(self, num_blocks, host_blocks=16):
-        self.kv = KVCacheManager(num_blocks, BLOCK)
-        self.kv.tiers = KVTiers(self.kv.pool, BLOCK, TierIndex("host", host_blocks, LRUPolicy()))
+    def __init__(self, num_blocks, host_blocks=16, tracker=None, hold_threshold=None):
+        """LRU everywhere, or with ``tracker`` the hotness policy on every tier (the device's
+        holding blocks above ``hold_threshold``)."""
+        device_policy = HotnessPolicy(tracker, hold_threshold) if tracker is not None else None
+        host_policy = HotnessPolicy(tracker, None) if tracker is not None else LRUPolicy()
+        self.kv = KVCacheManager(num_blocks, BLOCK, policy=device_policy, tracker=tracker)
+        self.kv.tiers = KVTiers(self.kv.pool, BLOCK, TierIndex("host", host_blocks, host_policy))
         self.scheduler = Scheduler(SchedulerConfig(64, 4), self.kv)
         self.num_requests = 0
 
@@ -139,3 +143,29 @@ def test_preempting_into_a_host_tier_of_private_slots_skips_write_through():
     assert y.status == RequestStatus.RUNNING and y.num_computed_tokens == 3
     assert tiers.stats.num_swapped_in == 1
     assert y.swapped_tail is None and tiers.host.can_take()  # the private slot came back
+
+
+def test_a_hot_block_evicted_as_a_last_resort_is_found_on_host():
+    """A block held on the device by its hotness is still evicted when nothing else is free; its
+    prefix must then come back from host, not be recomputed."""
+    # Scores: 0.1 after one use, 0.19 after two in a row, 0.171 one request later: held at 0.15.
+    h = Harness(num_blocks=4, tracker=HotnessTracker(decay=0.9), hold_threshold=0.15)
+    a1 = h.add([10, 11, 12])
+    h.step()
+    a2 = h.add([10, 11, 12])  # shares block (10, 11)
+    h.step()
+    hot = h.kv.blocks(a1.request_id)[0].block_hash
+    assert h.kv.pool.policy.is_held(hot)
+    h.scheduler.finish(a1, FinishReason.STOP)
+    h.scheduler.finish(a2, FinishReason.STOP)  # the hot block is released here
+    h.step()
+    b = h.add(list(range(20, 28)))  # needs all 4 blocks: evicts the hot one too
+    h.step()
+    assert h.kv.pool.num_held_evicted == 1 and h.kv.pool.lookup(hot, (10, 11)) is None
+    h.scheduler.finish(b, FinishReason.STOP)
+    c = h.add([10, 11, 12, 13, 14])
+
+    step = h.step()
+    assert [op.tag for op in step.plan.tier_ops if isinstance(op, Restore)] == [hot]
+    assert h.kv.tiers.host.num_hits == 1
+    assert c.status == RequestStatus.RUNNING and c.num_computed_tokens == 2  # restored
