@@ -74,8 +74,9 @@ def build_checkpoint(out_dir: Path, kind: str, seed: int = 0, **overrides) -> Pa
     return Path(out_dir)
 
 
-def hf_greedy(model_dir: Path, prompts, max_new_tokens: int):
-    """``transformers`` greedy generate, one prompt at a time (no padding), new tokens only."""
+def hf_greedy(model_dir: Path, prompts, max_new_tokens: int, **generate_kwargs):
+    """``transformers`` greedy generate, one prompt at a time (no padding), new tokens only;
+    ``generate_kwargs`` add its logits processors (``repetition_penalty``, ...)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -87,7 +88,8 @@ def hf_greedy(model_dir: Path, prompts, max_new_tokens: int):
             # An explicit mask: without it transformers infers one from pad_token_id and takes
             # a path about 15x slower on CPU.
             gen = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                                 **generate_kwargs)
         outs.append(gen[0, len(ids):].tolist())
     return outs
 

@@ -72,7 +72,8 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; cancelling the iteration aborts the request."""
+        """Stream a request's outputs (of all its ``n`` choices, each tagged with its
+        ``index``); cancelling the iteration aborts the request."""
         if not self.is_alive:
             raise EngineDeadError(f"engine is not running: {self._error}")
         loop = asyncio.get_running_loop()
@@ -80,15 +81,15 @@ class AsyncLLMEngine:
         self._streams[request_id] = (loop, outputs)
         added: Future = Future()
         self._commands.put(("add", (prompt, params, request_id), added))
+        num_unfinished = params.n  # the stream ends when every choice has finished
         try:
             await asyncio.wrap_future(added)  # raises ValueError on bad input
-            while True:
+            while num_unfinished:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
                     raise item
+                num_unfinished -= item.finished
                 yield item
-                if item.finished:
-                    return
         finally:
             if self._streams.pop(request_id, None) is not None and self.is_alive:
                 self._commands.put(("abort", (request_id,), None))

@@ -43,7 +43,8 @@ _MAX_KV_BLOCKS = 1 << 17  # Python block objects stay cheap below this
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What a step produced for one request; ``text`` and ``output_token_ids`` are cumulative."""
+    """What a step produced for one choice of a request; ``text`` and ``output_token_ids`` are
+    cumulative. ``finished`` is this choice's; a request ends when all ``n`` have."""
 
     request_id: RequestId
     prompt_token_ids: List[int]
@@ -54,6 +55,7 @@ class RequestOutput:
     finished: bool
     finish_reason: Optional[str]
     logprobs: List[SampledToken]
+    index: int = 0  # which of the request's ``n`` choices
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ class LLMEngine:
         self.model_config.check_tp_size(config.tp_size)
         checkpoint_files(self.model_dir)  # fail on missing shards before starting ranks
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = self._max_model_len()  # fitted to the KV pool by _rank_configs
         rank_configs = self._rank_configs()
         self.num_kv_blocks = rank_configs[0].num_kv_blocks
         self._children = launcher(rank_configs[1:]) if config.tp_size > 1 else None
@@ -103,16 +105,19 @@ class LLMEngine:
                               self.rank.tiers.recovered_disk_tags if self.rank.tiers else {})
         self._last_snapshot = time.monotonic()
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), kv)
-        self._requests: Dict[RequestId, Request] = {}
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
+                            self.model_config.shared_window), kv)
+        self._requests: Dict[RequestId, List[Request]] = {}  # by the caller's id: its choices
         self._detok: Dict[RequestId, IncrementalDetokenizer] = {}
         self._aborted: List[Request] = []
         self._seq_ids = itertools.count()
-        self._generator = torch.Generator().manual_seed(config.seed)
-        self.step_records: List[StepRecord] = []
+        self._device = torch.device(rank_configs[0].device)
+        self._generator = torch.Generator(self._device).manual_seed(config.seed)
+        self.step_records: List[StepRecord] = []  # only with config.record_steps
         self._is_shut_down = False
 
     def _max_model_len(self) -> int:
+        """The context the user asked for, or the model's; at most the model's."""
         model_max = self.model_config.max_position_embeddings
         wanted = self.config.max_model_len or model_max
         if wanted > model_max:
@@ -126,6 +131,7 @@ class LLMEngine:
         dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if use_cuda else "cpu"),
                               model.torch_dtype)
         num_blocks = cfg.num_kv_blocks or self._default_num_blocks(model, dtype)
+        self.max_model_len = self._fit_context_to_pool(num_blocks)
         init = free_tcp_init_method(self._init_host) if cfg.tp_size > 1 else None
         threads = None if use_cuda else max(1, (torch.get_num_threads()) // cfg.tp_size)
         dtype_name = str(dtype).replace("torch.", "")
@@ -156,7 +162,35 @@ class LLMEngine:
         return KVCacheSpec(model.num_layers, 1, self.config.block_size, kv_heads,
                            model.head_dim, dtype)
 
+    def _fit_context_to_pool(self, num_blocks: int) -> int:
+        """``max_model_len`` when a pool of ``num_blocks`` holds one sequence that long, so that
+        a request alone always fits. Otherwise a context taken from the model is lowered to what
+        the pool holds (with a warning), and one the user chose raises ``ValueError``."""
+        cfg, wanted = self.config, self.max_model_len
+        pool_tokens = num_blocks * cfg.block_size
+        if pool_tokens >= wanted:
+            return wanted
+        source = (f"--kv-blocks {cfg.num_kv_blocks}" if cfg.num_kv_blocks is not None
+                  else f"--kv-cache-gb {cfg.kv_cache_gb:g}")
+        pool = (f"the KV pool ({source}: {num_blocks} blocks of {cfg.block_size} tokens) holds "
+                f"{pool_tokens} tokens")
+        fix = f"set --kv-blocks to at least {-(-wanted // cfg.block_size)}"
+        if cfg.num_kv_blocks is None:
+            fix += " (or raise --kv-cache-gb)"
+        if cfg.max_model_len is not None:
+            raise ValueError(f"--max-model-len {wanted} does not fit: {pool}, fewer than one "
+                             f"sequence of {wanted}; {fix}, or --max-model-len to at most "
+                             f"{pool_tokens}")
+        if pool_tokens < 2:
+            raise ValueError(f"{pool}: a request needs at least 2 (a prompt token and an "
+                             f"output); {fix}")
+        logger.warning("%s, fewer than the model's context of %d: max_model_len lowered to %d; "
+                       "%s for the full context", pool, wanted, pool_tokens, fix)
+        return pool_tokens
+
     def _default_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
+        """What ``kv_cache_gb`` allows, at most ``max_num_seqs`` full-length sequences; possibly
+        less than one (``_fit_context_to_pool`` then lowers the context or refuses)."""
         spec = self._block_spec(dtype)
         by_memory = int(self.config.kv_cache_gb * (1 << 30)) // spec.bytes_per_block
         per_seq = -(-self.max_model_len // self.config.block_size)
@@ -174,16 +208,35 @@ class LLMEngine:
         rid = RequestId(request_id or uuid.uuid4().hex)
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        generator = self._generator
-        if params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed)
-        request = Request(rid, next(self._seq_ids), token_ids, params, generator,
-                          self.model_config.eos_token_ids)
-        self._requests[rid] = request
-        if self.tokenizer is not None:
-            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
-        self.scheduler.add(request)
+        self._check_token_ids(params)
+        choices: List[Request] = []
+        for index in range(params.n):
+            child_id = rid if params.n == 1 else RequestId(f"{rid}#{index}")
+            request = Request(child_id, next(self._seq_ids), token_ids, params,
+                              self._choice_generator(params, index),
+                              self.model_config.eos_token_ids, parent_id=rid, index=index,
+                              prefill_leader=choices[0] if choices else None)
+            choices.append(request)
+            if self.tokenizer is not None:
+                self._detok[child_id] = IncrementalDetokenizer(
+                    self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output)
+            self.scheduler.add(request)
+        self._requests[rid] = choices
         return rid
+
+    def _choice_generator(self, params: SamplingParams, index: int) -> torch.Generator:
+        """Choice ``index`` of a seeded request draws from ``seed + index``, on the device of
+        the logits (the sampler draws there); unseeded ones share the engine's generator."""
+        if params.seed is None:
+            return self._generator
+        return torch.Generator(self._device).manual_seed((params.seed + index) % (1 << 64))
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        for name in ("logit_bias", "stop_token_ids"):
+            bad = [t for t in getattr(params, name) if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name}: token ids must be in [0, {vocab}), got {bad[:5]}")
 
     def _tokenize(self, prompt: Union[str, Sequence[int]]) -> List[int]:
         if isinstance(prompt, str):
@@ -202,10 +255,11 @@ class LLMEngine:
         return token_ids
 
     def abort(self, request_id: str) -> None:
-        request = self._requests.get(RequestId(request_id))
-        if request is not None and not request.is_finished:
-            self.scheduler.finish(request, FinishReason.ABORT)
-            self._aborted.append(request)
+        """Finish every unfinished choice of ``request_id`` (unknown ids are ignored)."""
+        for request in self._requests.get(RequestId(request_id), ()):
+            if not request.is_finished:
+                self.scheduler.finish(request, FinishReason.ABORT)
+                self._aborted.append(request)
 
     def has_unfinished(self) -> bool:
         """Requests in flight, or tier transfers not yet committed (steps finish them)."""
@@ -229,7 +283,9 @@ class LLMEngine:
         if sampled_requests:
             assert logits is not None and logits.shape[0] == len(sampled_requests)
             tokens = sample(logits, [r.params for r in sampled_requests],
-                            [r.generator for r in sampled_requests])
+                            [r.generator for r in sampled_requests],
+                            [(r.prompt_token_ids, r.output_token_ids) for r in sampled_requests],
+                            self.model_config.eos_token_ids)
             outputs.extend(self._append(r, t) for r, t in zip(sampled_requests, tokens))
         if scheduled.plan.seqs:
             self._record(scheduled, time.perf_counter() - started)
@@ -268,34 +324,37 @@ class LLMEngine:
     def _append(self, request: Request, token: SampledToken) -> RequestOutput:
         request.append_token(token)
         reason = request.stop_reason_for_last_token()
-        delta = ""
+        delta, stopped_by_string = "", False
         detok = self._detok.get(request.request_id)
-        stopped_by_string = False
         if detok is not None:
-            delta = detok.add_token(token.token_id)
-            text_before = len(detok.text) - len(delta)
-            if detok.find_stop(delta) is not None:
-                delta = detok.text[text_before:]  # the part before the stop string
-                reason = FinishReason.STOP
-                stopped_by_string = True
-        if reason is None and request.num_tokens >= self.max_model_len:
+            delta, stopped_by_string = detok.add_token(token.token_id)
+        if stopped_by_string:
+            reason = FinishReason.STOP
+        elif reason is None and request.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
-        if detok is not None and reason is not None and not stopped_by_string:
-            delta += detok.flush()  # the text held back for an incomplete character
-        if reason is not None:
-            self.scheduler.finish(request, reason)
-        return self._output(request, [token.token_id], delta)
+        if reason is None:
+            return self._output(request, [token.token_id], delta)
+        self.scheduler.finish(request, reason)
+        return self._output(request, [token.token_id], delta + self._flush(request))
 
     def _finish_output(self, request: Request) -> RequestOutput:
-        return self._output(request, [], "")
+        return self._output(request, [], self._flush(request))
+
+    def _flush(self, request: Request) -> str:
+        """The text a finished request's detokenizer held back (for an incomplete character or
+        a stop string that never came); empty after a stop string."""
+        detok = self._detok.get(request.request_id)
+        return detok.flush() if detok is not None else ""
 
     def _output(self, request: Request, new_ids: List[int], delta: str) -> RequestOutput:
         detok = self._detok.get(request.request_id)
         if request.is_finished:
-            self._requests.pop(request.request_id, None)
             self._detok.pop(request.request_id, None)
+            choices = self._requests.get(request.parent_id, ())
+            if all(r.is_finished for r in choices):
+                self._requests.pop(request.parent_id, None)
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=request.parent_id,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=list(request.output_token_ids),
             new_token_ids=new_ids,
@@ -304,9 +363,14 @@ class LLMEngine:
             finished=request.is_finished,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             logprobs=list(request.output_logprobs),
+            index=request.index,
         )
 
     def _record(self, scheduled: ScheduledStep, duration_s: float) -> None:
+        """Append the step's shape to ``step_records`` when ``config.record_steps`` asks for it
+        (the list grows without bound: for benchmarks, not for serving)."""
+        if not self.config.record_steps:
+            return
         # Called after the scheduler advanced each request by its n new tokens.
         seqs = tuple((r.num_computed_tokens - n, n) for r, n in scheduled.scheduled)
         logits = sum(s.needs_logits for s in scheduled.plan.seqs)

@@ -12,7 +12,8 @@ Prompt = Union[str, Sequence[int]]
 
 
 class LLM:
-    """``LLM(EngineConfig(model=...)).generate(prompts, params)`` -> outputs in prompt order."""
+    """``LLM(EngineConfig(model=...)).generate(prompts, params)`` -> outputs in prompt order
+    (a prompt whose params ask for ``n`` choices gives ``n`` outputs in a row, by ``index``)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
@@ -29,8 +30,8 @@ class LLM:
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.finished:
-                    final[out.request_id] = out
-        return [final[rid] for rid in ids]
+                    final[out.request_id, out.index] = out
+        return [final[rid, index] for rid, sp in zip(ids, params) for index in range(sp.n)]
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -60,9 +60,22 @@ class Request:
     num_preemptions: int = 0
     swapped_tail: Optional[SwappedTail] = None
     first_token_time: Optional[float] = None
+    # Choices of one request (``n`` > 1) share the prompt: choice 0 computes it, the others
+    # wait until it has, then take its blocks from the prefix cache.
+    parent_id: Optional[RequestId] = None  # the id the caller knows (default: request_id)
+    index: int = 0  # which choice
+    prefill_leader: Optional["Request"] = None
+
+    @property
+    def waits_for_leader(self) -> bool:
+        leader = self.prefill_leader
+        return (leader is not None and not leader.is_finished
+                and leader.num_computed_tokens < leader.num_prompt_tokens)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.parent_id is None:
+            self.parent_id = self.request_id
 
     @property
     def num_tokens(self) -> int:
@@ -87,10 +100,12 @@ class Request:
     def stop_reason_for_last_token(self) -> Optional[FinishReason]:
         """Whether the token just appended ends the request (stop strings are checked elsewhere)."""
         token = self.output_token_ids[-1]
-        if token in self.params.stop_token_ids:
-            return FinishReason.STOP
-        if not self.params.ignore_eos and token in self.eos_token_ids:
-            return FinishReason.STOP
-        if len(self.output_token_ids) >= self.params.max_tokens:
+        num_output = len(self.output_token_ids)
+        if num_output >= self.params.min_tokens:
+            if token in self.params.stop_token_ids:
+                return FinishReason.STOP
+            if not self.params.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.STOP
+        if num_output >= self.params.max_tokens:
             return FinishReason.LENGTH
         return None

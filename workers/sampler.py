@@ -1,5 +1,15 @@
-"""Turns rank 0's logits into next tokens: greedy, or temperature / top-k / top-p sampling with
-a per-request generator (a seeded request draws the same tokens in any batch), plus logprobs."""
+"""Turns rank 0's logits into next tokens for the whole step at once.
+
+1. Logit processing, for the rows that ask for it (``logits_processing``): bias, penalties,
+   ``min_tokens``.
+2. Greedy rows take the argmax; sampled rows are scaled by their temperature, filtered by
+   top-k / top-p / min-p (one sort for the rows that need it) and drawn by an exponential race:
+   ``argmax(p / q)`` with ``q ~ Exp(1)`` drawn from the row's own generator, which picks token i
+   with probability ``p_i`` and keeps a seeded request's draws independent of its batch.
+3. One device-to-host copy of the sampled ids (and one of the logprobs, when asked for).
+
+Cost: O(rows x vocabulary) on the logits' device, plus O(history) for rows with penalties.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +18,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from workers.logits_processing import History, process_logits
 from workers.sampling_params import SamplingParams
 
 
@@ -18,43 +29,76 @@ class SampledToken:
     top_logprobs: Tuple[Tuple[int, float], ...] = ()
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: Optional[int], top_p: float) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside top-k and outside the top-p nucleus. ``logits``: [V]."""
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop a token when the tokens before it already reach top_p (the first always stays).
-        drop = (cumulative - sorted_logits.softmax(-1)) >= top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits
-
-
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator]) -> List[SampledToken]:
-    """One token per row of ``logits`` ``[N, V]``, row i drawn with ``generators[i]``."""
-    logits = logits.float()
-    greedy = logits.argmax(dim=-1).tolist()
-    want_logprobs = any(p.logprobs is not None for p in params)
-    logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    out = []
-    for row, (p, gen) in enumerate(zip(params, generators)):
-        token = greedy[row]
-        if not p.is_greedy:
-            scaled = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
-            token = int(torch.multinomial(scaled.softmax(-1), 1, generator=gen).item())
-        out.append(_with_logprobs(token, p, logprobs[row] if logprobs is not None else None))
-    return out
+           generators: Sequence[torch.Generator],
+           histories: Optional[Sequence[History]] = None,
+           eos_token_ids: Sequence[int] = ()) -> List[SampledToken]:
+    """One token per row of ``logits`` ``[N, V]``, row i drawn with ``generators[i]`` (on the
+    logits' device). ``histories[i]`` (prompt ids, output ids) is needed by rows with penalties
+    or ``min_tokens``; ``eos_token_ids`` are what ``min_tokens`` holds back."""
+    raw = logits.float()
+    logits = raw
+    if any(p.processes_logits for p in params):
+        if histories is None:
+            raise ValueError("penalties and min_tokens need each row's token history")
+        logits = process_logits(raw.clone(), params, histories, eos_token_ids)
+    tokens = logits.argmax(dim=-1)  # [N]
+    drawn_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if drawn_rows:
+        rows = torch.tensor(drawn_rows, device=logits.device)
+        drawn = _draw(logits[rows], [params[i] for i in drawn_rows],
+                      [generators[i] for i in drawn_rows])
+        tokens = tokens.index_copy(0, rows, drawn)
+    token_ids = tokens.tolist()
+    if all(p.logprobs is None for p in params):
+        return [SampledToken(t) for t in token_ids]
+    return _with_logprobs(raw, tokens, token_ids, params)
 
 
-def _with_logprobs(token: int, params: SamplingParams,
-                   logprobs: Optional[torch.Tensor]) -> SampledToken:
-    if logprobs is None or params.logprobs is None:
-        return SampledToken(token)
-    top: Tuple[Tuple[int, float], ...] = ()
-    if params.logprobs > 0:
-        values, ids = torch.topk(logprobs, params.logprobs)
-        top = tuple(zip(ids.tolist(), values.tolist()))
-    return SampledToken(token, float(logprobs[token]), top)
+def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
+          generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """Sampled ids ``[M]`` of rows ``logits`` ``[M, V]`` (temperatures > 0)."""
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temperature[:, None]
+    if any(p.top_k is not None or p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, params)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True),
+                                    float("-inf"))
+    probs = logits.softmax(-1)
+    race = torch.stack([torch.empty(vocab, device=device).exponential_(generator=g)
+                        for g in generators])
+    return (probs / race.clamp_min_(1e-20)).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) each row's tokens outside its top-k and outside its top-p nucleus."""
+    device, vocab = logits.device, logits.shape[-1]
+    top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [M, V]
+    rank = torch.arange(vocab, device=device)
+    sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    # Drop a token when the tokens before it already reach top_p (the first always stays).
+    drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return logits.scatter(1, order, sorted_logits)
+
+
+def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_ids: List[int],
+                   params: Sequence[SamplingParams]) -> List[SampledToken]:
+    """Log-probabilities of the raw model output (before any processing), as vLLM returns."""
+    logprobs = torch.log_softmax(raw, dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    k = max(p.logprobs or 0 for p in params)
+    tops: List[List[Tuple[int, float]]] = [[] for _ in params]
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return [SampledToken(token) if p.logprobs is None
+            else SampledToken(token, chosen[row], tuple(tops[row][:p.logprobs]))
+            for row, (token, p) in enumerate(zip(token_ids, params))]

@@ -107,14 +107,48 @@ def test_bad_prompts_are_rejected(engine, prompt, match):
         engine.add_request(prompt, SamplingParams())
 
 
-def test_a_request_larger_than_the_pool_finishes_without_deadlock(tiny_llama):
-    with LLM(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=4)) as llm:
-        outs = llm.generate([[3] * 20, [4] * 6],
-                            SamplingParams(max_tokens=30, ignore_eos=True, **GREEDY))
-    assert outs[0].finish_reason == "length" and outs[0].output_token_ids == []
-    # 16 slots hold the 6 prompt tokens and 10 outputs; the 11th output is sampled, then the
-    # request can grow no further.
-    assert outs[1].finish_reason == "length" and len(outs[1].output_token_ids) == 11
+# The tiny model's KV block of 4 tokens: 2 layers x (K, V) x 4 tokens x 2 heads x 16 x 4 bytes.
+BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4
+
+
+@pytest.mark.parametrize("pool, flag", [(dict(num_kv_blocks=4), "--kv-blocks"),
+                                        (dict(kv_cache_gb=4.5 * BLOCK_BYTES / 2**30),
+                                         "--kv-cache-gb")])
+def test_a_pool_smaller_than_the_models_context_lowers_it(tiny_llama, caplog, pool, flag):
+    with caplog.at_level("WARNING", logger="workers.engine"):
+        llm = LLM(EngineConfig(model=str(tiny_llama), block_size=4, **pool))
+    with llm:
+        assert llm.engine.max_model_len == 16  # 4 blocks of 4 tokens, not the model's 256
+        assert "lowered to 16" in caplog.text and "256" in caplog.text and flag in caplog.text
+        with pytest.raises(ValueError, match="prompt has 20 tokens; the model's context is 16"):
+            llm.engine.add_request([3] * 20, SamplingParams())
+        out = llm.generate([[4] * 6], SamplingParams(max_tokens=30, ignore_eos=True, **GREEDY))
+    assert out[0].finish_reason == "length" and len(out[0].output_token_ids) == 10
+
+
+@pytest.mark.parametrize("pool, flag", [(dict(num_kv_blocks=4), "--kv-blocks 4"),
+                                        (dict(kv_cache_gb=4.5 * BLOCK_BYTES / 2**30),
+                                         "--kv-cache-gb")])
+def test_an_explicit_context_larger_than_the_pool_is_refused(tiny_llama, pool, flag):
+    config = EngineConfig(model=str(tiny_llama), block_size=4, max_model_len=32, **pool)
+    with pytest.raises(ValueError) as error:
+        LLMEngine(config)
+    message = str(error.value)
+    assert "--max-model-len 32" in message and "16 tokens" in message and flag in message
+    assert "--kv-blocks to at least 8" in message and "--max-model-len to at most 16" in message
+
+
+def test_a_pool_for_one_full_sequence_but_not_two_preempts_without_deadlock(tiny_llama):
+    params = SamplingParams(max_tokens=30, ignore_eos=True, **GREEDY)
+    prompts = [[4] * 6, [5] * 6, [6] * 7]
+    with LLM(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=4,
+                          max_model_len=16)) as llm:
+        alone = [llm.generate([p], params)[0].output_token_ids for p in prompts]
+        together = llm.generate(prompts, params)
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.output_token_ids for o in together] == alone
+    assert all(o.finish_reason == "length" and len(o.output_token_ids) == 16 - len(p)
+               for o, p in zip(together, prompts))
 
 
 def test_context_limit_ends_generation(tiny_llama):
