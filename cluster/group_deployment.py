@@ -115,6 +115,7 @@ def group_metrics_snapshot(engine: AsyncLLMEngine) -> Dict:
     eng = engine.engine
     kv = eng.scheduler.kv
     return {
+        "engine_alive": 1.0 if engine.is_alive else 0.0,
         "kv_usage_frac": load.kv.usage,
         "kv_blocks_used": load.kv.num_used_blocks,
         "kv_blocks_total": load.kv.num_blocks,

@@ -4,8 +4,10 @@ The ingress calls a TP group's ``generate(payload, num_tokens=T, block_hashes=H)
 streaming ``DeploymentHandle``; the group streams ``stream_chunks(engine, payload)``. Payload:
 ``{"request_id", "prompt_token_ids", "sampling": {SamplingParams fields}}``. Each chunk:
 ``{"request_id", "new_token_ids", "delta_text", "finished", "finish_reason",
-"num_prompt_tokens", "num_output_tokens", "logprobs"}`` where ``logprobs`` covers the new tokens
-only (``[{"token_id", "logprob", "top_logprobs": [[id, lp], ...]}]``). Only plain data crosses
+"num_prompt_tokens", "num_output_tokens", "logprobs", "index"}`` where ``logprobs`` covers the
+new tokens only (``[{"token_id", "logprob", "top_logprobs": [[id, lp], ...]}]``) and ``index``
+is the choice (``sampling["n"]`` > 1: the chunks of the choices interleave; ``finished`` is the
+choice's, and the stream ends after every choice finished). Only plain data crosses
 the handle, so the ingress needs no engine types.
 """
 
@@ -47,6 +49,7 @@ def output_chunk(out: RequestOutput, want_logprobs: bool) -> Dict[str, Any]:
         "num_prompt_tokens": len(out.prompt_token_ids),
         "num_output_tokens": len(out.output_token_ids),
         "logprobs": logprobs,
+        "index": out.index,
     }
 
 

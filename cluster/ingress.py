@@ -7,7 +7,8 @@ deployment's handle, ``generate(payload, num_tokens=T, block_hashes=H)``, whose 
 (``cluster.group_stream``) are turned into one OpenAI response or a stream of server-sent events
 ending in ``data: [DONE]``. A client that goes away cancels its handle call, which aborts the
 request in the engine. Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/health``, ``/metrics``.
+``/tokenize``, ``/detokenize``, ``/version`` (vLLM's shapes), ``/health`` (503 while no group
+serves), ``/metrics``. Every error is OpenAI's error JSON; unexpected ones say nothing internal.
 """
 
 # No ``from __future__ import annotations`` here: Serve re-creates the route functions for the
@@ -17,21 +18,21 @@ import hmac
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version as package_version
 from pathlib import Path
-from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Type, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from ray import serve
-from ray.exceptions import RayActorError
 from ray.serve import Application
-from ray.serve.exceptions import BackPressureError
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from cluster.group_stream import sampling_params
+from cluster.ingress_run import GroupStream, RequestRun
 from cluster.metrics import (
     GroupRecord,
     IngressMetrics,
@@ -40,23 +41,23 @@ from cluster.metrics import (
     router_decision_counts,
 )
 from cluster.openai_protocol import (
-    SSE_DONE,
-    ChatCompletionRequest,
     ChatFormat,
-    ChatMessage,
     CompletionFormat,
-    CompletionRequest,
     ProtocolError,
-    TokenLogprob,
     error_body,
     models_list,
     parse_request,
     resolve_max_tokens,
-    sse_event,
-    token_logprobs,
+)
+from cluster.openai_requests import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
 )
 from kv.prefix_hash import extend_block_hashes
-from workers.async_engine import EngineDeadError
 from workers.model_config import load_model_config
 from workers.tokenizer import load_tokenizer
 
@@ -64,6 +65,15 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 METRICS_STORE_TIMEOUT_S = 2.0
+HEALTH_MAX_REPORT_AGE_S = 5.0  # groups report every second; a group silent this long is gone
+R = TypeVar("R", bound=BaseModel)
+
+
+def tpserve_version() -> str:
+    try:
+        return package_version("tpserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 app = FastAPI(title="tpserve", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -80,66 +90,11 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
                                    code=code), status_code=exc.status_code)
 
 
-def group_error(exc: BaseException) -> ProtocolError:
-    """What a failure of the group call means to the client. Ray wraps an exception raised in
-    the replica in a ``RayTaskError`` that is also an instance of the original class."""
-    cause = getattr(exc, "cause", None) or exc
-    if isinstance(exc, ValueError):
-        return ProtocolError(str(cause))
-    if isinstance(exc, BackPressureError):
-        return ProtocolError(f"the server is overloaded, retry later: {cause}", 503,
-                             code="overloaded")
-    if isinstance(exc, (EngineDeadError, RayActorError)):
-        return ProtocolError(f"the TP group serving this request failed: {cause}", 503,
-                             code="group_failed")
-    logger.error("group call failed", exc_info=exc)
-    return ProtocolError(f"internal error: {type(cause).__name__}: {cause}", 500)
-
-
-class GroupStream:
-    """One request's chunks from a TP group; ``cancel`` aborts it there (idempotent)."""
-
-    def __init__(self, response: DeploymentResponseGenerator) -> None:
-        self._response = response
-        self.finished = False
-
-    def __aiter__(self) -> "GroupStream":
-        return self
-
-    async def __anext__(self) -> Dict[str, Any]:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            chunk = await self._response.__anext__()
-        except StopAsyncIteration:
-            self.finished = True
-            raise ProtocolError("the TP group ended the stream before the request finished",
-                                500) from None
-        except Exception as exc:
-            self.finished = True
-            raise group_error(exc) from exc
-        self.finished = bool(chunk["finished"])
-        return chunk
-
-    def cancel(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._response.cancel()
-
-
-@dataclass
-class _Run:
-    """A request in flight: where its chunks come from and what has been seen of them."""
-
-    fmt: CompletionFormat
-    stream: GroupStream
-    timer: RequestTimer
-    num_prompt_tokens: int
-    want_logprobs: bool
-    num_output_tokens: int = 0
-    finish_reason: Optional[str] = None
-    is_recorded: bool = False
-    logprobs: List[TokenLogprob] = field(default_factory=list)
+@app.exception_handler(Exception)
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug, not bad input: logged with its traceback, answered without internals."""
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
@@ -168,30 +123,57 @@ class OpenAIIngress:
     async def completions(self, request: Request) -> Response:
         timer = RequestTimer()
         self._authorize(request)
-        body = parse_request(await request.body(), CompletionRequest)
-        self._check_model(body.model)
-        prompt_ids = self._prompt_ids(body.prompt)
+        body = self._parse(await request.body(), CompletionRequest)
+        prompt_ids = self._prompt_ids(body.prompt, body.add_special_tokens)
         max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids), self.max_model_len,
                                         default=DEFAULT_COMPLETION_MAX_TOKENS)
         fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()),
                                self.served_model_name, body.include_usage)
-        return await self._serve(fmt, body.sampling(max_tokens), body.stream, prompt_ids,
-                                 timer)
+        echo = self._detokenize(prompt_ids) if body.echo else ""
+        return await self._serve(fmt, body, max_tokens, prompt_ids, timer, echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         timer = RequestTimer()
         self._authorize(request)
-        body = parse_request(await request.body(), ChatCompletionRequest)
-        self._check_model(body.model)
-        prompt_ids = self._chat_prompt_ids(body.messages)
+        body = self._parse(await request.body(), ChatCompletionRequest)
+        prompt_ids = self._chat_prompt_ids(body.messages, body.template_options(),
+                                           body.add_special_tokens)
         max_tokens = resolve_max_tokens(body.requested_max_tokens, len(prompt_ids),
                                         self.max_model_len, param=body.max_tokens_param,
                                         prompt_param="messages")
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
                          self.served_model_name, body.include_usage)
-        return await self._serve(fmt, body.sampling(max_tokens), body.stream, prompt_ids,
-                                 timer)
+        return await self._serve(fmt, body, max_tokens, prompt_ids, timer)
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Dict[str, Any]:
+        """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` with the template applied."""
+        self._authorize(request)
+        raw = await request.body()
+        if b'"messages"' in raw:
+            chat = self._parse(raw, TokenizeChatRequest)
+            ids = self._chat_prompt_ids(chat.messages, chat.template_options(),
+                                        chat.add_special_tokens)
+            want_strs = chat.return_token_strs
+        else:
+            body = self._parse(raw, TokenizeCompletionRequest)
+            ids = self._prompt_ids(body.prompt, body.add_special_tokens)
+            want_strs = body.return_token_strs
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if want_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Dict[str, Any]:
+        self._authorize(request)
+        body = self._parse(await request.body(), DetokenizeRequest)
+        self._check_token_ids(body.tokens, "tokens")
+        return {"prompt": self._detokenize(body.tokens)}
+
+    @app.get("/version")
+    async def version(self) -> Dict[str, str]:
+        return {"version": tpserve_version()}
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Dict[str, Any]:
@@ -200,8 +182,20 @@ class OpenAIIngress:
                            self._created)
 
     @app.get("/health")
-    async def health(self) -> Dict[str, str]:
-        return {"status": "ok"}
+    async def health(self) -> Response:
+        """200 while at least one TP group serves (it reported a live engine within the last
+        few seconds); 503 otherwise, as a load balancer expects."""
+        try:
+            num_serving = len(await asyncio.wait_for(
+                self._store.serving_groups.remote(HEALTH_MAX_REPORT_AGE_S),
+                METRICS_STORE_TIMEOUT_S))
+        except Exception as exc:
+            logger.warning("metrics store unavailable for /health: %s", exc)
+            num_serving = 0
+        if num_serving == 0:
+            return JSONResponse(error_body("no TP group can serve requests yet",
+                                           "server_error", code="no_healthy_group"), 503)
+        return JSONResponse({"status": "ok", "groups": num_serving})
 
     @app.get("/metrics")
     async def metrics_text(self) -> Response:
@@ -221,40 +215,55 @@ class OpenAIIngress:
         if not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
             raise ProtocolError("incorrect API key provided", 401, code="invalid_api_key")
 
-    def _check_model(self, model: str) -> None:
-        if model not in (self.served_model_name, self.model_dir):
-            raise ProtocolError(f"the model '{model}' does not exist; this server serves "
+    def _parse(self, raw: bytes, model: Type[R]) -> R:
+        """Parse a body; check its model (when it names one); log the fields it ignores."""
+        body = parse_request(raw, model)
+        name = getattr(body, "model", None)
+        if name is not None and name not in (self.served_model_name, self.model_dir):
+            raise ProtocolError(f"the model '{name}' does not exist; this server serves "
                                 f"'{self.served_model_name}'", 404, param="model",
                                 code="model_not_found")
+        if body.model_extra:
+            logger.warning("request fields ignored (not OpenAI or vLLM parameters): %s",
+                           sorted(body.model_extra))
+        return body
 
-    def _prompt_ids(self, prompt: Any) -> List[int]:
+    def _prompt_ids(self, prompt: Any, add_special_tokens: Optional[bool] = None) -> List[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ProtocolError("this model has no tokenizer: send the prompt as token ids",
                                     param="prompt")
-            prompt = self.tokenizer.encode(prompt)
-            if not prompt:
+            add = True if add_special_tokens is None else add_special_tokens
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=add))
+            if not ids:
                 raise ProtocolError("the prompt tokenizes to no tokens", param="prompt")
-            return list(prompt)
-        bad = [t for t in prompt if t >= self.vocab_size]
-        if bad:
-            raise ProtocolError(f"prompt token ids must be in [0, {self.vocab_size}); got "
-                                f"{bad[:5]}", param="prompt")
+            return ids
+        self._check_token_ids(prompt, "prompt")
         return list(prompt)
 
-    def _chat_prompt_ids(self, messages: Sequence[ChatMessage]) -> List[int]:
+    def _check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ProtocolError(f"{param} token ids must be in [0, {self.vocab_size}); got "
+                                f"{bad[:5]}", param=param)
+
+    def _chat_prompt_ids(self, messages: Sequence[ChatMessage], options: Dict[str, Any],
+                         add_special_tokens: Optional[bool]) -> List[int]:
         if self.tokenizer is None:
             raise ProtocolError("this model has no tokenizer, so no chat template: use "
                                 "/v1/completions with token ids", param="messages")
         conversation = [m.template_message() for m in messages]
         try:
-            ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
-                                                     tokenize=True)
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
         except Exception as exc:  # jinja errors (e.g. roles must alternate), no template
             raise ProtocolError(f"cannot apply the chat template: {exc}", param="messages")
-        if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        # The template writes BOS itself: special tokens are added only when asked (as vLLM).
+        return list(self.tokenizer.encode(text, add_special_tokens=bool(add_special_tokens)))
+
+    def _detokenize(self, token_ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            raise ProtocolError("this model has no tokenizer: text cannot be produced")
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     @staticmethod
     def _check_sampling(sampling: Dict[str, Any]) -> None:
@@ -262,97 +271,36 @@ class OpenAIIngress:
             sampling_params(sampling)
         except ValueError as exc:
             message = str(exc)
-            first_word = message.split(" ", 1)[0]
+            first_word = message.split(" ", 1)[0].rstrip(":")
             raise ProtocolError(message, param=first_word if first_word in sampling else None)
 
     # ----- running a request -----
 
-    async def _serve(self, fmt: CompletionFormat, sampling: Dict[str, Any], stream: bool,
-                     prompt_ids: List[int], timer: RequestTimer) -> Response:
+    async def _serve(self, fmt: CompletionFormat, body: Any, max_tokens: int,
+                     prompt_ids: List[int], timer: RequestTimer, echo: str = "") -> Response:
+        sampling = body.sampling(max_tokens)
         self._check_sampling(sampling)
+        self._check_token_ids(list(sampling["logit_bias"]), "logit_bias")
         payload = {"request_id": fmt.request_id, "prompt_token_ids": prompt_ids,
                    "sampling": sampling}
+        n = sampling["n"]
         response = self._group.generate.remote(
-            payload, num_tokens=len(prompt_ids) + sampling["max_tokens"],
+            payload, num_tokens=len(prompt_ids) + n * max_tokens,
             block_hashes=extend_block_hashes([], prompt_ids, self.block_size))
-        run = _Run(fmt, GroupStream(response), timer, len(prompt_ids),
-                   sampling["logprobs"] is not None)
-        if stream:
-            return await self._start_stream(run)
-        return JSONResponse(await self._collect(run))
-
-    async def _collect(self, run: _Run) -> Dict[str, Any]:
-        texts = []
-        outcome = "abort"
-        try:
-            async for chunk in run.stream:
-                texts.append(self._on_chunk(run, chunk))
-            outcome = None
-        except ProtocolError:
-            outcome = "error"
-            raise
-        finally:
-            self._end(run, outcome)
-        return run.fmt.response("".join(texts), run.finish_reason, run.num_prompt_tokens,
-                                run.num_output_tokens,
-                                run.logprobs if run.want_logprobs else None)
-
-    async def _start_stream(self, run: _Run) -> StreamingResponse:
-        """Waits for the first chunk, so an error before it still gets its HTTP status."""
-        try:
-            first = await run.stream.__anext__()
-        except BaseException as exc:
-            self._end(run, "error" if isinstance(exc, Exception) else "abort")
-            raise
-        return StreamingResponse(self._events(run, first), media_type="text/event-stream")
-
-    async def _events(self, run: _Run, first: Dict[str, Any]) -> AsyncIterator[str]:
-        """The SSE stream. Starlette closes it when the client disconnects (and Serve cancels
-        the replica's task): ``finally`` then cancels the group call."""
-        outcome = "abort"
-        try:
-            for obj in run.fmt.start():
-                yield sse_event(obj)
-            chunk: Optional[Dict[str, Any]] = first
-            while chunk is not None:
-                num_logprobs = len(run.logprobs)
-                text = self._on_chunk(run, chunk)
-                new_logprobs = run.logprobs[num_logprobs:] if run.want_logprobs else None
-                if text or new_logprobs:
-                    yield sse_event(run.fmt.delta(text, new_logprobs))
-                chunk = None if run.stream.finished else await run.stream.__anext__()
-            yield sse_event(run.fmt.finish(run.finish_reason))
-            if run.fmt.include_usage:
-                yield sse_event(run.fmt.usage_chunk(run.num_prompt_tokens, run.num_output_tokens))
-            outcome = None
-            yield SSE_DONE
-        except ProtocolError as exc:  # the group failed mid-stream: say so in the stream
-            outcome = "error"
-            yield sse_event(exc.body())
-            yield SSE_DONE
-        finally:
-            self._end(run, outcome)
-
-    def _on_chunk(self, run: _Run, chunk: Dict[str, Any]) -> str:
-        run.timer.on_tokens(len(chunk["new_token_ids"]))
-        run.num_output_tokens = chunk["num_output_tokens"]
-        if chunk["finished"]:
-            run.finish_reason = chunk["finish_reason"]
-        if run.want_logprobs and chunk["logprobs"]:
-            run.logprobs.extend(token_logprobs(chunk["logprobs"], self._token_text))
-        return chunk["delta_text"]
+        run = RequestRun(fmt, GroupStream(response, n), timer, len(prompt_ids), n,
+                         sampling["logprobs"] is not None, self._token_text, self._record,
+                         echo=echo, continuous_usage=body.continuous_usage)
+        if body.stream:
+            first = await run.first_chunk()
+            return StreamingResponse(run.events(first), media_type="text/event-stream")
+        return JSONResponse(await run.collect())
 
     def _token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"<{token_id}>"
         return self.tokenizer.decode([token_id])
 
-    def _end(self, run: _Run, outcome: Optional[str]) -> None:
-        """Once per request: abort it in the group if unfinished, and record its metrics."""
-        run.stream.cancel()
-        if run.is_recorded:
-            return
-        run.is_recorded = True
+    def _record(self, run: RequestRun, outcome: Optional[str]) -> None:
         reason = outcome or run.finish_reason or "abort"
         self.metrics.record(run.timer, run.num_prompt_tokens, run.num_output_tokens, reason)
 

@@ -180,6 +180,13 @@ class MetricsStore:
             del self._groups[group_id]
         return dict(self._groups)
 
+    def serving_groups(self, max_age_s: float) -> List[str]:
+        """Groups whose engine was alive in a report at most ``max_age_s`` old (this actor's
+        clock: reports are stamped on arrival, never with a sender's clock)."""
+        now = time.monotonic()
+        return sorted(g for g, r in self._groups.items()
+                      if now - r.pushed_at <= max_age_s and r.values.get("engine_alive") == 1.0)
+
     def group_ids(self) -> List[str]:
         return sorted(self.snapshot())
 

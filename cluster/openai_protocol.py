@@ -1,11 +1,9 @@
-"""OpenAI's HTTP protocol: request models, the token budget, response and chunk builders, errors.
+"""OpenAI's HTTP protocol: parsing, the token budget, response and chunk builders, errors.
 
-Pure: no Ray, no FastAPI. Requests are parsed from raw bytes so that every bad input (invalid
-JSON, a wrong type, an unsupported option) becomes a 400 in OpenAI's error shape
-``{"error": {"message", "type", "param", "code"}}`` naming the field, not FastAPI's 422.
-Extensions beyond OpenAI's fields (as in vLLM): ``top_k``, ``ignore_eos``, ``stop_token_ids``.
-Unknown fields are ignored; known but unsupported options (``n > 1``, ``echo``, penalties,
-``logit_bias``, tools) are refused rather than silently dropped.
+Pure: no Ray, no FastAPI. Requests (``cluster.openai_requests``) are parsed from raw bytes so
+that every bad input (invalid JSON, a wrong type, an unsupported option) becomes a 400 in
+OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}`` naming the field, not
+FastAPI's 422.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from typing import (
     Callable,
     Dict,
     List,
-    Literal,
     Optional,
     Sequence,
     Tuple,
@@ -26,7 +23,7 @@ from typing import (
     Union,
 )
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ValidationError
 
 Prompt = Union[str, List[int]]
 R = TypeVar("R", bound=BaseModel)
@@ -94,196 +91,7 @@ def _describe(errors: List[Dict[str, Any]]) -> Tuple[Optional[str], str]:
     return path, f"{path}: {message}"
 
 
-# ----- requests -----
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = Field(False, description="Send a last chunk with the usage.")
-
-
-class _SamplingFields(BaseModel):
-    """What completions and chat share."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str = Field(description="The served model name (or the model directory).")
-    max_tokens: Optional[int] = Field(None, description="Most tokens to generate.")
-    temperature: Optional[float] = Field(None, description="0 is greedy; default 1.")
-    top_p: Optional[float] = Field(None, description="Nucleus sampling mass; default 1.")
-    top_k: Optional[int] = Field(None, description="Extension: sample among the k likeliest.")
-    n: int = Field(1, description="Number of choices; only 1 is supported.")
-    stream: bool = Field(False, description="Stream chunks by server-sent events.")
-    stream_options: Optional[StreamOptions] = Field(None, description="Streaming options.")
-    stop: Optional[Union[str, List[str]]] = Field(None, description="Stop strings.")
-    stop_token_ids: Optional[List[int]] = Field(None, description="Extension: stop tokens.")
-    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64,
-                                description="Makes sampling reproducible (a 64-bit integer).")
-    user: Optional[str] = Field(None, description="An end-user id (logged, not used).")
-    ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
-    presence_penalty: Optional[float] = Field(None, description="Unsupported unless 0.")
-    frequency_penalty: Optional[float] = Field(None, description="Unsupported unless 0.")
-    logit_bias: Optional[Dict[str, float]] = Field(None, description="Unsupported unless empty.")
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported, got {n}")
-        return n
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: Optional[float]) -> Optional[float]:
-        if value:
-            raise ValueError("penalties are not supported (leave unset or 0)")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, value: Optional[Dict[str, float]]) -> Optional[Dict[str, float]]:
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-    def requested_logprobs(self) -> Optional[int]:
-        raise NotImplementedError
-
-    def sampling(self, max_tokens: int) -> Dict[str, Any]:
-        """The ``sampling`` dict of the group payload (``workers.sampling_params`` fields)."""
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return {
-            "max_tokens": max_tokens,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "stop": stop,
-            "stop_token_ids": list(self.stop_token_ids or []),
-            "ignore_eos": self.ignore_eos,
-            "logprobs": self.requested_logprobs(),
-        }
-
-
-class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: one prompt (text, token ids, or a list holding one of those)."""
-
-    prompt: Union[str, List[int], List[str], List[List[int]]] = Field(
-        description="Text, token ids, or a one-element list of either.")
-    logprobs: Optional[int] = Field(None, description="Top log-probabilities per token (0-20).")
-    echo: bool = Field(False, description="Unsupported: must be false.")
-    best_of: Optional[int] = Field(None, description="Unsupported unless 1.")
-    suffix: Optional[str] = Field(None, description="Unsupported.")
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, prompt: Any) -> Prompt:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError(f"batched prompts are not supported: send one prompt per "
-                                 f"request (got {len(prompt)})")
-            prompt = prompt[0]
-        if not prompt:
-            raise ValueError("prompt is empty")
-        if isinstance(prompt, list) and min(prompt) < 0:
-            raise ValueError("prompt token ids must be non-negative")
-        return prompt
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, best_of: Optional[int]) -> Optional[int]:
-        if best_of not in (None, 1):
-            raise ValueError(f"only best_of=1 is supported, got {best_of}")
-        return best_of
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, suffix: Optional[str]) -> Optional[str]:
-        if suffix:
-            raise ValueError("suffix is not supported")
-        return suffix
-
-    def requested_logprobs(self) -> Optional[int]:
-        return self.logprobs
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: str = Field(description="Only 'text' is supported.")
-    text: Optional[str] = Field(None, description="The text of a 'text' part.")
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, List[ContentPart]]] = Field(None, description="Text or parts.")
-    name: Optional[str] = Field(None, description="The author's name.")
-
-    def template_message(self) -> Dict[str, str]:
-        """The message as the chat template sees it: text parts joined by newlines."""
-        content = self.content
-        if isinstance(content, list):
-            bad = sorted({p.type for p in content if p.type != "text"})
-            if bad:
-                raise ProtocolError(f"only text content parts are supported, got {bad}",
-                                    param="messages")
-            content = "\n".join(p.text or "" for p in content)
-        message = {"role": self.role, "content": content or ""}
-        if self.name:
-            message["name"] = self.name
-        return message
-
-
-class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions``; the prompt is the checkpoint's chat template applied."""
-
-    messages: List[ChatMessage] = Field(min_length=1, description="The conversation so far.")
-    max_completion_tokens: Optional[int] = Field(None, description="Preferred to max_tokens.")
-    logprobs: bool = Field(False, description="Return the sampled tokens' log-probabilities.")
-    top_logprobs: Optional[int] = Field(None, description="Alternatives per token (0-20).")
-    tools: Optional[List[Any]] = Field(None, description="Unsupported unless empty.")
-    response_format: Optional[Dict[str, Any]] = Field(None, description="Only type 'text'.")
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, tools: Optional[List[Any]]) -> Optional[List[Any]]:
-        if tools:
-            raise ValueError("tools are not supported")
-        return tools
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, fmt: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        if fmt and fmt.get("type", "text") != "text":
-            raise ValueError(f"only response_format type 'text' is supported, got {fmt}")
-        return fmt
-
-    @property
-    def max_tokens_param(self) -> str:
-        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-
-    @property
-    def requested_max_tokens(self) -> Optional[int]:
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return self.max_tokens
-
-    def requested_logprobs(self) -> Optional[int]:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ProtocolError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        return (self.top_logprobs or 0) if self.logprobs else None
+# ----- the token budget -----
 
 
 def resolve_max_tokens(requested: Optional[int], num_prompt_tokens: int, max_model_len: int,
@@ -365,8 +173,19 @@ def sse_event(obj: Dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+@dataclass
+class ChoiceResult:
+    """One choice as the response shows it."""
+
+    text: str
+    finish_reason: Optional[str]
+    logprobs: Optional[Sequence[TokenLogprob]] = None
+
+
 class CompletionFormat:
-    """Builds one ``/v1/completions`` response or its stream of ``text_completion`` chunks."""
+    """Builds one ``/v1/completions`` response or its stream of ``text_completion`` chunks.
+
+    ``usage`` on a chunk is what ``stream_options.continuous_usage_stats`` asks for."""
 
     object_name = "text_completion"
 
@@ -374,77 +193,87 @@ class CompletionFormat:
                  include_usage: bool = False) -> None:
         self.request_id, self.created, self.model = request_id, created, model
         self.include_usage = include_usage
-        self._text_offset = 0
+        self._text_offsets: Dict[int, int] = {}  # per choice: where its next text starts
 
-    def _envelope(self, choices: List[Dict[str, Any]], **extra: Any) -> Dict[str, Any]:
+    def _envelope(self, choices: List[Dict[str, Any]], usage_now: Optional[Dict[str, int]] = None,
+                  **extra: Any) -> Dict[str, Any]:
         body = {"id": self.request_id, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": choices, **extra}
-        if self.include_usage and "usage" not in body:
+        if usage_now is not None:
+            body["usage"] = usage_now
+        elif self.include_usage:
             body["usage"] = None
         return body
 
-    def _choice(self, text: str, finish_reason: Optional[str],
+    def _choice(self, index: int, text: str, finish_reason: Optional[str],
                 logprobs: Optional[Sequence[TokenLogprob]]) -> Dict[str, Any]:
-        lp = None
-        if logprobs is not None:
-            lp = completion_logprobs(logprobs, self._text_offset)
-        self._text_offset += len(text)
-        return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+        offset = self._text_offsets.get(index, 0)
+        lp = completion_logprobs(logprobs, offset) if logprobs is not None else None
+        self._text_offsets[index] = offset + len(text)
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
 
-    def start(self) -> List[Dict[str, Any]]:
+    def start(self, num_choices: int = 1) -> List[Dict[str, Any]]:
         return []
 
-    def delta(self, text: str, logprobs: Optional[Sequence[TokenLogprob]]) -> Dict[str, Any]:
-        return self._envelope([self._choice(text, None, logprobs)])
+    def delta(self, text: str, logprobs: Optional[Sequence[TokenLogprob]], index: int = 0,
+              usage_now: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+        return self._envelope([self._choice(index, text, None, logprobs)], usage_now)
 
-    def finish(self, finish_reason: Optional[str]) -> Dict[str, Any]:
-        return self._envelope([self._choice("", finish_reason, None)])
+    def finish(self, finish_reason: Optional[str], index: int = 0,
+               usage_now: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+        return self._envelope([self._choice(index, "", finish_reason, None)], usage_now)
 
     def usage_chunk(self, num_prompt: int, num_completion: int) -> Dict[str, Any]:
-        return self._envelope([], usage=usage(num_prompt, num_completion))
+        return self._envelope([], usage(num_prompt, num_completion))
 
-    def response(self, text: str, finish_reason: Optional[str], num_prompt: int,
-                 num_completion: int, logprobs: Optional[Sequence[TokenLogprob]]
-                 ) -> Dict[str, Any]:
+    def response(self, choices: Sequence[ChoiceResult], num_prompt: int,
+                 num_completion: int) -> Dict[str, Any]:
         return {"id": self.request_id, "object": self.object_name, "created": self.created,
-                "model": self.model, "choices": [self._choice(text, finish_reason, logprobs)],
+                "model": self.model,
+                "choices": [self._choice(i, c.text, c.finish_reason, c.logprobs)
+                            for i, c in enumerate(choices)],
                 "usage": usage(num_prompt, num_completion)}
 
 
 class ChatFormat(CompletionFormat):
-    """Builds one ``chat.completion`` response or its ``chat.completion.chunk`` stream: the
-    first chunk carries the role, the next ones content, the last one the finish reason."""
+    """Builds one ``chat.completion`` response or its ``chat.completion.chunk`` stream: each
+    choice's first chunk carries the role, the next ones content, the last one the finish
+    reason."""
 
     object_name = "chat.completion.chunk"
 
-    def _chunk(self, delta: Dict[str, Any], finish_reason: Optional[str],
-               logprobs: Optional[Sequence[TokenLogprob]] = None) -> Dict[str, Any]:
+    def _chunk(self, index: int, delta: Dict[str, Any], finish_reason: Optional[str],
+               logprobs: Optional[Sequence[TokenLogprob]] = None,
+               usage_now: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
         lp = chat_logprobs(logprobs) if logprobs is not None else None
-        return self._envelope([{"index": 0, "delta": delta, "logprobs": lp,
-                                "finish_reason": finish_reason}], system_fingerprint=None)
+        return self._envelope([{"index": index, "delta": delta, "logprobs": lp,
+                                "finish_reason": finish_reason}], usage_now,
+                              system_fingerprint=None)
 
-    def start(self) -> List[Dict[str, Any]]:
-        return [self._chunk({"role": "assistant", "content": ""}, None)]
+    def start(self, num_choices: int = 1) -> List[Dict[str, Any]]:
+        return [self._chunk(i, {"role": "assistant", "content": ""}, None)
+                for i in range(num_choices)]
 
-    def delta(self, text: str, logprobs: Optional[Sequence[TokenLogprob]]) -> Dict[str, Any]:
-        return self._chunk({"content": text}, None, logprobs)
+    def delta(self, text: str, logprobs: Optional[Sequence[TokenLogprob]], index: int = 0,
+              usage_now: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+        return self._chunk(index, {"content": text}, None, logprobs, usage_now)
 
-    def finish(self, finish_reason: Optional[str]) -> Dict[str, Any]:
-        return self._chunk({}, finish_reason)
+    def finish(self, finish_reason: Optional[str], index: int = 0,
+               usage_now: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+        return self._chunk(index, {}, finish_reason, None, usage_now)
 
     def usage_chunk(self, num_prompt: int, num_completion: int) -> Dict[str, Any]:
-        return self._envelope([], system_fingerprint=None,
-                              usage=usage(num_prompt, num_completion))
+        return self._envelope([], usage(num_prompt, num_completion), system_fingerprint=None)
 
-    def response(self, text: str, finish_reason: Optional[str], num_prompt: int,
-                 num_completion: int, logprobs: Optional[Sequence[TokenLogprob]]
-                 ) -> Dict[str, Any]:
+    def response(self, choices: Sequence[ChoiceResult], num_prompt: int,
+                 num_completion: int) -> Dict[str, Any]:
         return {
             "id": self.request_id, "object": "chat.completion", "created": self.created,
             "model": self.model, "system_fingerprint": None,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
-                         "finish_reason": finish_reason}],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None
+                         else None, "finish_reason": c.finish_reason}
+                        for i, c in enumerate(choices)],
             "usage": usage(num_prompt, num_completion),
         }
 

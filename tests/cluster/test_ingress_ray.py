@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from ray import cloudpickle, serve  # noqa: E402
 
 from cluster.group_stream import stream_chunks  # noqa: E402
-from cluster.ingress import build_ingress  # noqa: E402
+from cluster.ingress import HEALTH_MAX_REPORT_AGE_S, build_ingress  # noqa: E402
 from cluster.metrics import get_metrics_store  # noqa: E402
 from kv.prefix_hash import extend_block_hashes  # noqa: E402
 from tiny_models import hf_greedy  # noqa: E402
@@ -69,6 +69,8 @@ class TinyGroup:
                            "block_hashes": list(block_hashes), "payload": payload})
         if self.failure == "before":
             raise EngineDeadError("engine failed: rank 1 died")
+        if self.failure == "bug":
+            raise RuntimeError("secret internal detail")
         try:
             async for chunk in stream_chunks(self.engine, payload):
                 self.num_chunks[rid] = self.num_chunks.get(rid, 0) + 1
@@ -80,6 +82,7 @@ class TinyGroup:
             raise
 
     def configure(self, step_delay_s: float = 0.0, failure=None) -> None:
+        """``failure``: "before" or "during" the stream (the engine died), "bug" (a defect)."""
         self.engine.engine.step_delay_s = step_delay_s
         self.failure = failure
 
@@ -92,7 +95,7 @@ class TinyGroup:
     def push_metrics(self) -> None:
         load = self.engine.load
         ray.get(get_metrics_store().push.remote("tiny-group-0", {
-            "kv_usage_frac": load.kv.usage, "kv_blocks_used": load.kv.num_used_blocks,
+            "engine_alive": 1.0 if self.engine.is_alive else 0.0, "kv_usage_frac": load.kv.usage, "kv_blocks_used": load.kv.num_used_blocks,
             "kv_blocks_total": load.kv.num_blocks, "tokens_in_flight": load.kv.num_filled_slots,
             "num_requests_running": load.num_running, "num_requests_waiting": load.num_waiting,
             "prefix_cache_queries_total": 10, "prefix_cache_hits_total": 4,
@@ -162,9 +165,14 @@ def call(server, method, path, body=None, key=API_KEY):
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 
-def test_models_and_health(server, client):
+def test_models_and_health(server, client, group):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert call(server, "GET", "/health", key=None) == (200, b'{"status":"ok"}')
+    status, body = call(server, "GET", "/health", key=None)  # no group has reported yet
+    assert status == 503 and json.loads(body)["error"]["code"] == "no_healthy_group"
+    group.push_metrics.remote().result()
+    assert call(server, "GET", "/health", key=None) == (200, b'{"status":"ok","groups":1}')
+    time.sleep(HEALTH_MAX_REPORT_AGE_S + 0.5)  # a group that stops reporting is gone
+    assert call(server, "GET", "/health", key=None)[0] == 503
 
 
 def test_completions_text_and_token_ids_equal_transformers(client, server, tokenizer):
@@ -251,7 +259,10 @@ def test_the_group_gets_the_token_count_and_block_hashes(client, group):
     assert call["block_hashes"] == extend_block_hashes([], ids, BLOCK_SIZE)
     assert call["payload"]["sampling"] == {
         "max_tokens": 7, "temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 1,
-        "stop": ["zz"], "stop_token_ids": [], "ignore_eos": False, "logprobs": None}
+        "stop": ["zz"], "stop_token_ids": [], "ignore_eos": False, "logprobs": None,
+        "min_p": 0.0, "n": 1, "include_stop_str_in_output": False, "min_tokens": 0,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+        "logit_bias": {}}
 
 
 @pytest.mark.parametrize("kwargs,words", [
@@ -261,10 +272,14 @@ def test_the_group_gets_the_token_count_and_block_hashes(client, group):
     (dict(prompt=[1] * 256), "the prompt has 256 tokens"),
     (dict(temperature=-1.0), "temperature must be in"),
     (dict(top_p=0.0), "top_p must be in"),
-    (dict(n=2), "only n=1"),
+    (dict(n=100), "n must be an integer in [1, 64]"),
+    (dict(max_tokens=4, extra_body={"min_tokens": 5}), "min_tokens must be"),
+    (dict(logit_bias={"100000": 1}), "logit_bias token ids must be in [0, 509)"),
+    (dict(extra_body={"response_format": {"type": "json_object"}}), "response_format"),
+    (dict(extra_body={"guided_json": {}}), "guided_json is not supported"),
     (dict(prompt=""), "prompt is empty"),
     (dict(prompt=[1, 100_000]), "prompt token ids must be in [0, 509)"),
-    (dict(extra_body={"echo": True}), "echo is not supported"),
+    (dict(echo=True, logprobs=1), "echo with logprobs is not supported"),
 ])
 def test_bad_requests_get_400_with_a_message(client, kwargs, words):
     request = dict(model=MODEL, prompt="hello", max_tokens=4) | kwargs
@@ -294,7 +309,7 @@ def test_api_key(server):
         wrong.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
     assert call(server, "GET", "/v1/models", key=None)[0] == 401
-    assert call(server, "GET", "/health", key=None)[0] == 200
+    assert call(server, "GET", "/health", key=None)[0] in (200, 503)  # no key needed
     assert call(server, "GET", "/metrics", key=None)[0] == 200
 
 
@@ -302,15 +317,21 @@ def test_group_failure_is_a_5xx_or_an_error_event(client, group):
     group.configure.remote(failure="before").result()
     with pytest.raises(openai.InternalServerError) as info:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
-    assert info.value.status_code == 503 and "rank 1 died" in info.value.message
+    assert info.value.status_code == 503 and info.value.body["code"] == "group_failed"
+    assert "rank 1" not in info.value.message  # internals stay in the log
     with pytest.raises(openai.InternalServerError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user",
                                                                "content": "hi"}],
                                        max_tokens=4, stream=True)
     group.configure.remote(failure="during").result()
-    with pytest.raises(openai.APIError, match="collective timed out"):
+    with pytest.raises(openai.APIError, match="TP group serving this request failed"):
         list(client.completions.create(model=MODEL, prompt="hi", max_tokens=20, stream=True,
                                        **GREEDY))
+    group.configure.remote(failure="bug").result()
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+    assert info.value.status_code == 500 and info.value.body["message"] == "internal server error"
+    assert "secret" not in json.dumps(info.value.body)
 
 
 def test_disconnect_aborts_the_request_in_the_engine(server, group):
@@ -389,3 +410,109 @@ def test_ray_metrics_export(server, client, group):
         found = {name for name in wanted if f"\n{name}{{" in text}
         time.sleep(0.5)
     assert found == set(wanted)
+
+
+# ----- what a vLLM user expects (issue 14) -----
+
+def test_n_choices_equal_transformers_and_stream_by_index(client, server):
+    ids = [5, 6, 7, 8, 9]
+    [expected] = hf_greedy(server["model_dir"], [ids], 5)
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, n=3, **GREEDY)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({c.text for c in out.choices}) == 1 and out.usage.completion_tokens == 15
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2,
+        temperature=1.0, seed=7)
+    assert [c.index for c in chat.choices] == [0, 1]
+    texts = {0: "", 1: ""}
+    finished = set()
+    for chunk in client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2,
+            temperature=1.0, seed=7, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1}
+    assert [texts[0], texts[1]] == [c.message.content for c in chat.choices]  # same seeds
+    assert expected  # the greedy reference ran
+
+
+def test_echo_and_sampling_parameters_through_the_openai_client(client, tokenizer):
+    out = client.completions.create(model=MODEL, prompt="hello world", max_tokens=3,
+                                    echo=True, **GREEDY)
+    plain = client.completions.create(model=MODEL, prompt="hello world", max_tokens=3, **GREEDY)
+    assert out.choices[0].text == "hello world" + plain.choices[0].text
+    target = 42
+    forced = client.completions.create(
+        model=MODEL, prompt=[5, 6], max_tokens=4, temperature=0,
+        logit_bias={str(target): 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == tokenizer.decode([target] * 4)
+    penalized = client.completions.create(
+        model=MODEL, prompt=[5, 6], max_tokens=4, temperature=0, frequency_penalty=2.0,
+        presence_penalty=2.0, logit_bias={str(target): 3.5},
+        extra_body={"ignore_eos": True, "min_p": 0.05, "repetition_penalty": 1.2,
+                    "min_tokens": 2, "top_k": -1})
+    assert penalized.choices[0].text != forced.choices[0].text
+
+
+def test_stop_string_kept_with_include_stop_str_in_output(client):
+    whole = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=12, **GREEDY)
+    text = whole.choices[0].text
+    stop = text[3:5]
+    kept = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=12, stop=[stop],
+                                     temperature=0,
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == text[:text.index(stop) + len(stop)]
+
+
+def test_continuous_usage_stats(client):
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=4, stream=True, temperature=0,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True,
+                    "stream_options": {"include_usage": True,
+                                       "continuous_usage_stats": True}}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 4 and counts[0] >= 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 7
+
+
+def test_tokenize_detokenize_version(server, tokenizer):
+    status, body = call(server, "POST", "/tokenize", {"model": MODEL, "prompt": "hello world",
+                                                      "return_token_strs": True})
+    ids = tokenizer.encode("hello world")
+    assert status == 200 and json.loads(body) == {
+        "count": len(ids), "max_model_len": 256, "tokens": ids,
+        "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    messages = [{"role": "user", "content": "hi"}]
+    status, body = call(server, "POST", "/tokenize", {"messages": messages})
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=True)["input_ids"]
+    assert status == 200 and json.loads(body)["tokens"] == list(expected)
+    status, body = call(server, "POST", "/detokenize", {"tokens": ids})
+    assert status == 200 and json.loads(body) == {"prompt": "hello world"}
+    status, body = call(server, "POST", "/detokenize", {"tokens": [10**6]})
+    assert status == 400 and json.loads(body)["error"]["param"] == "tokens"
+    status, body = call(server, "GET", "/version")
+    assert status == 200 and json.loads(body)["version"] == "0.1.0"
+
+
+def test_unsupported_chat_parameters_get_400_naming_them(client):
+    for kwargs, param in [
+            (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+            (dict(tool_choice="required"), "tool_choice"),
+            (dict(extra_body={"guided_regex": "a+"}), "guided_regex"),
+            (dict(messages=[{"role": "assistant", "content": None, "tool_calls": [
+                {"id": "1", "type": "function",
+                 "function": {"name": "f", "arguments": "{}"}}]}]),
+             "messages[0].tool_calls")]:
+        request = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                       max_tokens=2) | kwargs
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(**request)
+        assert info.value.body["param"] == param, info.value.body
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}, "frobnicate": 1})
+    assert out.choices[0].finish_reason in ("length", "stop")

@@ -7,10 +7,9 @@ import pytest
 
 from cluster.openai_protocol import (
     SSE_DONE,
-    ChatCompletionRequest,
     ChatFormat,
+    ChoiceResult,
     CompletionFormat,
-    CompletionRequest,
     ProtocolError,
     TokenLogprob,
     chat_logprobs,
@@ -22,6 +21,7 @@ from cluster.openai_protocol import (
     sse_event,
     token_logprobs,
 )
+from cluster.openai_requests import ChatCompletionRequest, CompletionRequest
 
 
 def completion(**fields):
@@ -68,11 +68,11 @@ def test_bad_prompts(prompt, words):
 
 
 @pytest.mark.parametrize("fields,param,words", [
-    ({"n": 2}, "n", "only n=1"),
-    ({"echo": True}, "echo", "echo is not supported"),
-    ({"best_of": 3}, "best_of", "best_of=1"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    ({"n": "two"}, "n", "valid integer"),
+    ({"echo": True, "logprobs": 1}, "echo", "echo with logprobs is not supported"),
+    ({"best_of": 3}, "best_of", "best_of is not supported"),
+    ({"presence_penalty": "high"}, "presence_penalty", "valid number"),
+    ({"logit_bias": {"5": "x"}}, "logit_bias.5", "valid number"),
     ({"max_tokens": 1.5}, "max_tokens", "valid integer"),
     ({"temperature": "hot"}, "temperature", "valid number"),
     ({"stop": 5}, "stop", "expected one of"),
@@ -93,16 +93,15 @@ def test_missing_model_and_invalid_json():
         parse_request(b"[1, 2]", CompletionRequest)
 
 
-def test_unknown_fields_are_ignored():
-    assert completion(frobnicate=True, user="u1").user == "u1"
-
-
 def test_sampling_dict_defaults_and_extensions():
     req = completion(stop="\n", top_k=5, ignore_eos=True, seed=3, logprobs=2,
                      stop_token_ids=[9])
     assert req.sampling(10) == {
         "max_tokens": 10, "temperature": 1.0, "top_p": 1.0, "top_k": 5, "seed": 3,
-        "stop": ["\n"], "stop_token_ids": [9], "ignore_eos": True, "logprobs": 2}
+        "stop": ["\n"], "stop_token_ids": [9], "ignore_eos": True, "logprobs": 2,
+        "min_p": 0.0, "n": 1, "include_stop_str_in_output": False, "min_tokens": 0,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+        "logit_bias": {}}
     assert completion(temperature=0, top_p=0.5).sampling(4)["temperature"] == 0.0
 
 
@@ -129,7 +128,7 @@ def test_chat_messages():
         image.messages[0].template_message()
     assert refused(chat, messages=[]).param == "messages"
     assert refused(chat, messages=[{"role": "robot", "content": "x"}]).param == "messages.0.role"
-    assert "tools are not supported" in refused(chat, tools=[{"type": "function"}]).message
+    assert "tools is not supported" in refused(chat, tools=[{"type": "function"}]).message
     assert refused(chat, response_format={"type": "json_object"}).param == "response_format"
 
 
@@ -176,7 +175,7 @@ def test_error_shape():
 
 def test_completion_response_shape():
     fmt = CompletionFormat("cmpl-1", 123, "tiny")
-    assert fmt.response("hello", "length", 3, 2, None) == {
+    assert fmt.response([ChoiceResult("hello", "length")], 3, 2) == {
         "id": "cmpl-1", "object": "text_completion", "created": 123, "model": "tiny",
         "choices": [{"index": 0, "text": "hello", "logprobs": None, "finish_reason": "length"}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
@@ -199,7 +198,7 @@ def test_completion_stream_shape():
 
 def test_chat_response_and_stream_shape():
     fmt = ChatFormat("chatcmpl-1", 123, "tiny")
-    body = fmt.response("hi", "stop", 4, 1, None)
+    body = fmt.response([ChoiceResult("hi", "stop")], 4, 1)
     assert body["object"] == "chat.completion" and body["id"] == "chatcmpl-1"
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hi"},
                                 "logprobs": None, "finish_reason": "stop"}]
@@ -243,3 +242,58 @@ def test_sse_framing_and_models():
     assert listing["object"] == "list"
     assert listing["data"][0] == {"id": "tiny", "object": "model", "created": 5,
                                   "owned_by": "tpserve", "root": "/m", "max_model_len": 256}
+
+
+# ----- every parameter honoured or refused by name (issue 14, defect 1) -----
+
+@pytest.mark.parametrize("build,fields,param", [
+    (completion, {"guided_json": {"type": "object"}}, "guided_json"),
+    (completion, {"guided_regex": "a+"}, "guided_regex"),
+    (completion, {"guided_choice": ["a", "b"]}, "guided_choice"),
+    (completion, {"response_format": {"type": "json_object"}}, "response_format"),
+    (completion, {"use_beam_search": True}, "use_beam_search"),
+    (completion, {"prompt_logprobs": 1}, "prompt_logprobs"),
+    (completion, {"suffix": "x"}, "suffix"),
+    (completion, {"best_of": 3}, "best_of"),
+    (chat, {"tool_choice": "auto"}, "tool_choice"),
+    (chat, {"functions": [{"name": "f"}]}, "functions"),
+    (chat, {"function_call": "auto"}, "function_call"),
+    (chat, {"tools": [{"type": "function"}]}, "tools"),
+    (chat, {"structured_outputs": {"json": {}}}, "structured_outputs"),
+    (chat, {"skip_special_tokens": False}, "skip_special_tokens"),
+    (chat, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages[0].tool_calls"),
+])
+def test_known_but_unsupported_parameters_are_refused_by_name(build, fields, param):
+    err = refused(build, **fields)
+    assert err.param == param and param.split("[")[0] in err.message, err.message
+
+
+def test_defaults_of_unsupported_parameters_pass():
+    assert completion(use_beam_search=False, best_of=1, suffix=None,
+                      response_format={"type": "text"}).n == 1
+    assert chat(tool_choice="none", tools=[], skip_special_tokens=True).n == 1
+
+
+def test_implemented_parameters_reach_the_engine():
+    s = completion(min_p=0.1, repetition_penalty=1.3, presence_penalty=0.5,
+                   frequency_penalty=-0.5, logit_bias={"5": 2.0}, min_tokens=2,
+                   include_stop_str_in_output=True, n=3, top_k=-1).sampling(8)
+    assert s["min_p"] == 0.1 and s["repetition_penalty"] == 1.3
+    assert s["presence_penalty"] == 0.5 and s["frequency_penalty"] == -0.5
+    assert s["logit_bias"] == {5: 2.0} and s["min_tokens"] == 2 and s["n"] == 3
+    assert s["include_stop_str_in_output"] is True and s["top_k"] is None  # vLLM's -1: off
+    c = chat(chat_template_kwargs={"enable_thinking": False}, add_generation_prompt=False)
+    assert c.chat_template_kwargs == {"enable_thinking": False}
+    assert c.add_generation_prompt is False
+
+
+def test_logit_bias_keys_must_be_token_ids():
+    err = refused(completion, logit_bias={"hello": 1.0})
+    assert err.param == "logit_bias" and "token id" in err.message
+
+
+def test_unknown_fields_are_listed_for_a_warning():
+    req = completion(frobnicate=True, user="u1")
+    assert req.user == "u1" and req.ignored_fields() == ["frobnicate"]

@@ -1,0 +1,211 @@
+"""One OpenAI request in flight at the ingress: the group's chunks in, a response or SSE out.
+
+``GroupStream`` wraps the streaming handle call to a TP group and turns its failures into
+``ProtocolError``s; ``RequestRun`` keeps what has been seen of each of the request's ``n``
+choices and builds the JSON response (``collect``) or the stream of server-sent events
+(``events``). Nothing here knows Ray Serve beyond the handle's response object.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional
+
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentResponseGenerator
+
+from cluster.metrics import RequestTimer
+from cluster.openai_protocol import (
+    SSE_DONE,
+    ChoiceResult,
+    CompletionFormat,
+    ProtocolError,
+    TokenLogprob,
+    sse_event,
+    token_logprobs,
+    usage,
+)
+from workers.async_engine import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+
+def group_error(exc: BaseException) -> ProtocolError:
+    """What a failure of the group call means to the client (never internals: those are
+    logged). Ray wraps an exception raised in the replica in a ``RayTaskError`` that is also an
+    instance of the original class."""
+    cause = getattr(exc, "cause", None) or exc
+    if isinstance(exc, ValueError):
+        return ProtocolError(str(cause))
+    if isinstance(exc, BackPressureError):
+        return ProtocolError("the server is overloaded, retry later", 503, code="overloaded")
+    if isinstance(exc, (EngineDeadError, RayActorError)):
+        logger.warning("TP group failed while serving a request: %s", cause)
+        return ProtocolError("the TP group serving this request failed; retry", 503,
+                             code="group_failed")
+    logger.error("group call failed", exc_info=exc)
+    return ProtocolError("internal server error", 500)
+
+
+class GroupStream:
+    """One request's chunks from a TP group; ``cancel`` aborts it there (idempotent). It ends
+    when all ``num_choices`` choices have finished."""
+
+    def __init__(self, response: DeploymentResponseGenerator, num_choices: int = 1) -> None:
+        self._response = response
+        self._num_unfinished = num_choices
+        self.finished = False
+
+    def __aiter__(self) -> "GroupStream":
+        return self
+
+    async def __anext__(self) -> Dict[str, Any]:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            chunk = await self._response.__anext__()
+        except StopAsyncIteration:
+            self.finished = True
+            raise ProtocolError("the TP group ended the stream before the request finished",
+                                500) from None
+        except Exception as exc:
+            self.finished = True
+            raise group_error(exc) from exc
+        self._num_unfinished -= bool(chunk["finished"])
+        self.finished = self._num_unfinished == 0
+        return chunk
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._response.cancel()
+
+
+@dataclass
+class _Choice:
+    texts: List[str] = field(default_factory=list)
+    num_output_tokens: int = 0
+    finish_reason: Optional[str] = None
+    logprobs: List[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class RequestRun:
+    """A request in flight: where its chunks come from and what has been seen of them.
+
+    ``echo`` is text each choice starts with (the prompt, for ``echo``); ``on_end(run,
+    outcome)`` is called once when the request ends (``outcome``: None, "error" or "abort")."""
+
+    fmt: CompletionFormat
+    stream: GroupStream
+    timer: RequestTimer
+    num_prompt_tokens: int
+    num_choices: int
+    want_logprobs: bool
+    decode_token: Callable[[int], str]
+    on_end: Callable[["RequestRun", Optional[str]], None]
+    echo: str = ""
+    continuous_usage: bool = False
+    choices: List[_Choice] = field(default_factory=list)
+    is_recorded: bool = False
+
+    def __post_init__(self) -> None:
+        self.choices = [_Choice() for _ in range(self.num_choices)]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(c.num_output_tokens for c in self.choices)
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.choices[0].finish_reason
+
+    def end(self, outcome: Optional[str]) -> None:
+        """Once per request: abort it in the group if unfinished, and record it."""
+        self.stream.cancel()
+        if not self.is_recorded:
+            self.is_recorded = True
+            self.on_end(self, outcome)
+
+    def _on_chunk(self, chunk: Dict[str, Any]) -> _Choice:
+        choice = self.choices[chunk.get("index", 0)]
+        self.timer.on_tokens(len(chunk["new_token_ids"]))
+        choice.num_output_tokens = chunk["num_output_tokens"]
+        choice.texts.append(chunk["delta_text"])
+        if chunk["finished"]:
+            choice.finish_reason = chunk["finish_reason"]
+        if self.want_logprobs and chunk["logprobs"]:
+            choice.logprobs.extend(token_logprobs(chunk["logprobs"], self.decode_token))
+        return choice
+
+    async def collect(self) -> Dict[str, Any]:
+        """The whole response, once every choice finished."""
+        outcome = "abort"
+        try:
+            async for chunk in self.stream:
+                self._on_chunk(chunk)
+            outcome = None
+        except ProtocolError:
+            outcome = "error"
+            raise
+        finally:
+            self.end(outcome)
+        results = [ChoiceResult(self.echo + "".join(c.texts), c.finish_reason,
+                                c.logprobs if self.want_logprobs else None)
+                   for c in self.choices]
+        return self.fmt.response(results, self.num_prompt_tokens, self.num_output_tokens)
+
+    async def first_chunk(self) -> Dict[str, Any]:
+        """Waits for the first chunk, so an error before it still gets its HTTP status."""
+        try:
+            return await self.stream.__anext__()
+        except BaseException as exc:
+            self.end("error" if isinstance(exc, Exception) else "abort")
+            raise
+
+    async def events(self, first: Dict[str, Any]) -> AsyncIterator[str]:
+        """The SSE stream. Starlette closes it when the client disconnects (and Serve cancels
+        the replica's task): ``finally`` then cancels the group call."""
+        outcome = "abort"
+        try:
+            for obj in self.fmt.start(self.num_choices):
+                yield sse_event(obj)
+            for index in range(self.num_choices) if self.echo else ():
+                yield sse_event(self.fmt.delta(self.echo, None, index, self._usage_now()))
+            chunk: Optional[Dict[str, Any]] = first
+            while chunk is not None:
+                for event in self._chunk_events(chunk):
+                    yield event
+                chunk = None if self.stream.finished else await self.stream.__anext__()
+            if self.fmt.include_usage:
+                yield sse_event(self.fmt.usage_chunk(self.num_prompt_tokens,
+                                                     self.num_output_tokens))
+            outcome = None
+            yield SSE_DONE
+        except ProtocolError as exc:  # the group failed mid-stream: say so in the stream
+            outcome = "error"
+            yield sse_event(exc.body())
+            yield SSE_DONE
+        finally:
+            self.end(outcome)
+
+    def _chunk_events(self, chunk: Dict[str, Any]) -> List[str]:
+        index = chunk.get("index", 0)
+        choice = self._on_chunk(chunk)
+        num_new = len(chunk["logprobs"]) if self.want_logprobs else 0
+        new_logprobs = choice.logprobs[len(choice.logprobs) - num_new:] if num_new else None
+        events = []
+        if chunk["delta_text"] or new_logprobs:
+            events.append(sse_event(self.fmt.delta(chunk["delta_text"], new_logprobs, index,
+                                                   self._usage_now())))
+        if chunk["finished"]:
+            events.append(sse_event(self.fmt.finish(choice.finish_reason, index,
+                                                    self._usage_now())))
+        return events
+
+    def _usage_now(self) -> Optional[Dict[str, int]]:
+        if not self.continuous_usage:
+            return None
+        return usage(self.num_prompt_tokens, self.num_output_tokens)
