@@ -12,6 +12,13 @@ The worker keeps a checksum table per tier (slot -> tag, checksum of the bytes w
 refuses bytes whose tag or checksum no longer match. A failed op leaves its destination slot
 without an entry (a failed restore leaves its device block unwritten), so later ops that name that
 slot fail too instead of moving garbage.
+
+Failures come in two kinds. Expected ones (an I/O error, a block's copy failing, bytes that do
+not match) fail their ops only, as statuses, and the blocks are recomputed. Anything that escapes
+an op is a bug or a broken device, after which the worker's tables and counters cannot be
+trusted: the worker stops and every wait and later call raises ``TransferError``, naming the op
+and the cause (``kv/transfer_progress.py``), so the engine step fails instead of hanging every
+rank. A wait that outlasts ``wait_timeout_s`` fails the same way.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from kv.host_buffer import HostBuffer
 from kv.kv_cache import KVCache
 from kv.tier_ops import (OpStatus, ReadDisk, Restore, SaveIndex, Spill, TierOp, TierOpResults,
                          WriteDisk)
+from kv.transfer_progress import TransferProgress
 from parallel.latency import LatencyRecorder
 
 logger = logging.getLogger(__name__)
@@ -101,16 +109,20 @@ class TransferEngine:
     synchronization per group of copies, one coalesced disk call per group of disk ops. On CUDA
     the copies run on their own stream after the compute work issued before ``submit``.
     Neither the host buffer nor the disk store is owned: the caller closes them after ``close``.
+    Every wait raises ``TransferError`` once the worker has failed, or when what it waits for is
+    not done within ``wait_timeout_s`` (generous: a stuck device, not a slow one).
     """
 
     def __init__(self, kv_cache: KVCache, host: HostBuffer, disk: Optional[DiskStore] = None,
-                 index_path: Optional[Path] = None, identity: str = "") -> None:
+                 index_path: Optional[Path] = None, identity: str = "",
+                 wait_timeout_s: float = 600.0) -> None:
         if host.block_nbytes != kv_cache.spec.bytes_per_block:
             raise ValueError(f"host slots hold {host.block_nbytes} bytes, expected the KV "
                              f"cache's {kv_cache.spec.bytes_per_block} bytes per block")
         if disk is not None and disk.slot_bytes != host.slot_bytes:
             raise ValueError(f"disk slots hold {disk.slot_bytes} bytes, expected the host "
                              f"buffer's slot_bytes={host.slot_bytes}")
+        self._progress = TransferProgress(wait_timeout_s)
         self._kv = kv_cache
         self._host = host
         self._disk = disk
@@ -127,13 +139,6 @@ class TransferEngine:
         self._disk_entries: Dict[int, _Entry] = (
             self._load_index() if disk is not None and index_path is not None else {})
 
-        self.num_submitted = 0
-        self.num_committed = 0
-        self._done: List[OpStatus] = []  # statuses of tickets [num_committed, num_done)
-        self._num_spills_submitted = 0
-        self._num_spills_read = 0  # spills whose device side is done (CPU) or queued (CUDA)
-        self._spills_read_event: Optional[torch.cuda.Event] = None  # CUDA: after the last ones
-        self._cond = threading.Condition()
         self.num_bytes_spilled = 0
         self.num_bytes_restored = 0
         self.num_bytes_disk_written = 0
@@ -149,11 +154,20 @@ class TransferEngine:
     # --- caller side -------------------------------------------------------------------------
 
     @property
+    def num_submitted(self) -> int:
+        return self._progress.num_submitted
+
+    @property
+    def num_committed(self) -> int:
+        return self._progress.num_committed
+
+    @property
     def num_outstanding(self) -> int:
         return self.num_submitted - self.num_committed
 
     def submit(self, ops: Sequence[TierOp]) -> None:
-        """Queue ``ops`` (tickets ``num_submitted..``); returns at once."""
+        """Queue ``ops`` (tickets ``num_submitted..``); returns at once. Raises
+        ``TransferError`` if the worker has failed."""
         if self._is_closed:
             raise RuntimeError("TransferEngine.submit after close")
         for op in ops:
@@ -166,50 +180,44 @@ class TransferEngine:
         if self._is_cuda:
             compute_done = torch.cuda.Event()
             compute_done.record(torch.cuda.current_stream(self._kv.data.device))
-        with self._cond:
-            self.num_submitted += len(ops)
-            self._num_spills_submitted += sum(1 for op in ops if isinstance(op, Spill))
+        self._progress.add_submitted(len(ops), sum(1 for op in ops if isinstance(op, Spill)))
         self._queue.put(_Batch(list(ops), time.perf_counter(), compute_done))
 
     def wait_device_reads(self) -> None:
         """Return once the device blocks of every submitted spill have been read, so the caller's
         next compute may overwrite them: on CPU the copies are done; on CUDA the compute stream
-        is made to wait for them (the host does not wait for the GPU)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._num_spills_read >= self._num_spills_submitted)
-            event = self._spills_read_event
+        is made to wait for them (the host does not wait for the GPU). Raises
+        ``TransferError`` if the worker failed or the reads are not done in ``wait_timeout_s``."""
+        event = self._progress.wait_device_reads()
         if self._is_cuda and event is not None:
             torch.cuda.current_stream(self._kv.data.device).wait_event(event)
 
     def num_done(self) -> int:
         """Length of the completed prefix of tickets (ops finish in ticket order)."""
-        with self._cond:
-            return self.num_committed + len(self._done)
+        return self._progress.num_done()
 
     def wait_all(self) -> None:
-        """Block until every submitted op is done."""
-        with self._cond:
-            self._cond.wait_for(lambda: self.num_committed + len(self._done)
-                                >= self.num_submitted)
+        """Block until every submitted op is done; raises like ``wait_device_reads``."""
+        self._progress.wait_all()
 
     def agree(self, cpu_group: Optional[dist.ProcessGroup], wait: bool) -> TierOpResults:
         """Commit the tickets done on every rank; their statuses are the worst across ranks.
 
         A collective over ``cpu_group`` (two small all-reduces): every rank calls it at the same
-        points. With ``wait`` it first waits for all of this rank's ops.
+        points. With ``wait`` it first waits for all of this rank's ops. Raises
+        ``TransferError`` if this rank's worker failed (before the collectives: the other ranks
+        then fail at theirs when this rank's process goes).
         """
         if wait:
             self.wait_all()
+        self._progress.check()
         first = self.num_committed
         agreed = self.num_done()
         if cpu_group is not None:
             count = torch.tensor([agreed], dtype=torch.int64)
             dist.all_reduce(count, op=dist.ReduceOp.MIN, group=cpu_group)
             agreed = int(count.item())
-        with self._cond:
-            statuses = self._done[:agreed - first]
-            del self._done[:agreed - first]
-            self.num_committed = agreed
+        statuses = self._progress.take(agreed)
         if cpu_group is not None and statuses:
             worst = torch.tensor([int(s) for s in statuses], dtype=torch.uint8)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=cpu_group)
@@ -222,38 +230,64 @@ class TransferEngine:
         return {slot: entry.tag for slot, entry in self._disk_entries.items()}
 
     def close(self) -> None:
-        """Finish the queued ops and stop the worker; idempotent."""
+        """Finish the queued ops (none after a failure) and stop the worker; idempotent. Waits at
+        most ``wait_timeout_s`` (a second once failed: a wait has already timed out, or the worker
+        has ended): a worker stuck in a copy or an I/O call is left running (a daemon thread)
+        rather than hanging the caller."""
         if self._is_closed:
             return
         self._is_closed = True
         self._queue.put(None)
-        self._worker.join()
+        timeout_s = self._progress.timeout_s
+        if self._progress.is_failed:
+            timeout_s = min(1.0, timeout_s)
+        self._worker.join(timeout_s)
+        if self._worker.is_alive():
+            self._progress.fail(f"close: the transfer worker did not stop within {timeout_s:g} s",
+                                None)
+            return
         self._copier.close()
         self._io.shutdown(wait=True)
 
     # --- worker side -------------------------------------------------------------------------
 
     def _work(self) -> None:
-        while (batch := self._queue.get()) is not None:
-            if batch.compute_done is not None:
-                self._copy_stream.wait_event(batch.compute_done)
-            for run in split_runs(batch.ops):
-                statuses = self._run_group(run)
-                with self._cond:
-                    self._done.extend(statuses)
-                    self._cond.notify_all()
-            self.transfer_latency.record(time.perf_counter() - batch.submitted_at)
+        """Run batches until ``close``. Whatever raises here fails the progress and ends the
+        thread: the tables and counters it may have left half updated are not trusted again."""
+        what = "the transfer loop"
+        try:
+            while (batch := self._queue.get()) is not None:
+                if batch.compute_done is not None:
+                    self._copy_stream.wait_event(batch.compute_done)
+                for run in split_runs(batch.ops):
+                    first = self._progress.num_done()
+                    what = (f"{type(run[0]).__name__} x{len(run)} "
+                            f"(tickets {first}..{first + len(run) - 1})")
+                    self._progress.finish(self._run_group(run))
+                what = "the transfer loop"
+                self.transfer_latency.record(time.perf_counter() - batch.submitted_at)
+        except BaseException as exc:  # any exit but close must wake the waiters
+            self._progress.fail(f"the worker raised running {what}: {type(exc).__name__}: "
+                                f"{exc}", exc)
 
     def _run_group(self, ops: List[TierOp]) -> List[OpStatus]:
         handlers: Dict[type, Callable[[List], List[OpStatus]]] = {
             Spill: self._spill, Restore: self._restore, WriteDisk: self._write_disk,
             ReadDisk: self._read_disk, SaveIndex: self._save_index,
         }
-        try:
-            return handlers[type(ops[0])](ops)
-        except Exception:
-            logger.exception("tier ops %s failed", ops)
+        refusal = self._refusal(ops[0])
+        if refusal is not None:
+            logger.error("%d %s ops refused: %s", len(ops), type(ops[0]).__name__, refusal)
             return [OpStatus.IO_ERROR] * len(ops)
+        return handlers[type(ops[0])](ops)
+
+    def _refusal(self, op: TierOp) -> Optional[str]:
+        """Why this rank cannot run ``op`` at all (an IO_ERROR, not a failure), or None."""
+        if isinstance(op, (WriteDisk, ReadDisk, SaveIndex)) and self._disk is None:
+            return "this rank has no disk store"
+        if isinstance(op, SaveIndex) and self._index_path is None:
+            return "this rank's TransferEngine has no index_path"
+        return None
 
     def _spill(self, ops: List[Spill]) -> List[OpStatus]:
         for op in ops:
@@ -285,7 +319,8 @@ class TransferEngine:
                 for ok in written]
 
     def _write_disk(self, ops: List[WriteDisk]) -> List[OpStatus]:
-        disk = self._require_disk()
+        disk = self._disk
+        assert disk is not None
         statuses = [self._check_disk_op(op) for op in ops]
         for op in ops:
             self._disk_entries.pop(op.disk_slot, None)
@@ -314,7 +349,8 @@ class TransferEngine:
         return statuses
 
     def _read_disk(self, ops: List[ReadDisk]) -> List[OpStatus]:
-        disk = self._require_disk()
+        disk = self._disk
+        assert disk is not None
         statuses = [self._check_disk_op(op) for op in ops]
         for op in ops:
             self._host_entries.pop(op.host_slot, None)
@@ -367,13 +403,15 @@ class TransferEngine:
             statuses[index] = OpStatus.OK
 
     def _save_index(self, ops: List[SaveIndex]) -> List[OpStatus]:
-        disk = self._require_disk()
-        if self._index_path is None:
-            raise RuntimeError("SaveIndex on a TransferEngine without an index_path")
-        disk.sync()
+        assert self._disk is not None and self._index_path is not None
         records = [[slot, entry.tag, entry.checksum]
                    for slot, entry in sorted(self._disk_entries.items())]
-        write_snapshot(self._index_path, INDEX_KIND, self._identity, records)
+        try:
+            self._disk.sync()
+            write_snapshot(self._index_path, INDEX_KIND, self._identity, records)
+        except OSError as exc:  # a full or failing disk: the next snapshot may succeed
+            logger.error("saving the disk index to %s failed: %s", self._index_path, exc)
+            return [OpStatus.IO_ERROR] * len(ops)
         return [OpStatus.OK] * len(ops)
 
     # --- helpers -----------------------------------------------------------------------------
@@ -386,11 +424,6 @@ class TransferEngine:
                      op, self._host.num_slots, self._disk.num_slots)
         return OpStatus.IO_ERROR
 
-    def _require_disk(self) -> DiskStore:
-        if self._disk is None:
-            raise RuntimeError("disk tier op on a TransferEngine without a disk store")
-        return self._disk
-
     def _on_copy_stream(self) -> contextlib.AbstractContextManager:
         if self._copy_stream is None:
             return contextlib.nullcontext()
@@ -402,11 +435,7 @@ class TransferEngine:
         if self._copy_stream is not None:
             event = torch.cuda.Event()
             event.record(self._copy_stream)
-        with self._cond:
-            self._num_spills_read += num_ops
-            if event is not None:
-                self._spills_read_event = event
-            self._cond.notify_all()
+        self._progress.mark_spills_read(num_ops, event)
 
     def _load_index(self) -> Dict[int, _Entry]:
         records = read_snapshot(self._index_path, INDEX_KIND, self._identity) or []

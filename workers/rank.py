@@ -84,7 +84,9 @@ def build_rank(config: RankConfig) -> Rank:
     runner = ModelRunner(model, kv_cache, device)
     tiers = None
     if config.tiers is not None:
-        tiers = build_rank_tiers(config.tiers, kv_cache, tp.rank, tp.cpu_group)
+        # A transfer may keep a step waiting as long as a collective may, and no longer.
+        tiers = build_rank_tiers(config.tiers, kv_cache, tp.rank, tp.cpu_group,
+                                 wait_timeout_s=config.group.timeout_s)
     logger.info("rank %d/%d ready on %s (pid %d)", tp.rank, tp.world_size, device, os.getpid())
     return Rank(tp, model_config, runner, tiers)
 

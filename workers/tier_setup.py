@@ -129,8 +129,11 @@ def rank_dir(engine_dir: str, rank: int) -> Path:
 
 
 def build_rank_tiers(config: RankTierConfig, kv_cache: KVCache, rank: int,
-                     cpu_group: Optional[dist.ProcessGroup]) -> RankTiers:
-    """This rank's host buffer, disk file and transfer engine; agrees on recovered disk blocks."""
+                     cpu_group: Optional[dist.ProcessGroup],
+                     wait_timeout_s: float = 600.0) -> RankTiers:
+    """This rank's host buffer, disk file and transfer engine; agrees on recovered disk blocks.
+
+    A wait for this rank's transfers raises if not done within ``wait_timeout_s``."""
     device = kv_cache.data.device
     host = HostBuffer(config.num_host_blocks, kv_cache.spec.bytes_per_block,
                       pin=device.type == "cuda")
@@ -142,7 +145,7 @@ def build_rank_tiers(config: RankTierConfig, kv_cache: KVCache, rank: int,
         warn_unknown_files(directory, _KNOWN_FILES)
         disk = DiskStore(directory / BLOCKS_FILE, config.num_disk_blocks, host.slot_bytes)
         index_path = directory / CHECKSUMS_FILE
-    transfer = TransferEngine(kv_cache, host, disk, index_path, identity)
+    transfer = TransferEngine(kv_cache, host, disk, index_path, identity, wait_timeout_s)
     recovered: Dict[int, int] = {}
     if disk is not None:
         recovered = agree_disk_tags(transfer.disk_tags(), config.num_disk_blocks, cpu_group)

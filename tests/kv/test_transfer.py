@@ -1,4 +1,8 @@
-"""One rank's tier copies: round trips, refused corruption, FIFO order, disk index, TP agreement."""
+"""One rank's tier copies: round trips, refused corruption, FIFO order, disk index, TP agreement,
+and a failed or stuck worker failing every wait instead of hanging it."""
+
+import threading
+import time
 
 import pytest
 import torch
@@ -199,6 +203,95 @@ def test_disk_op_without_disk_is_an_io_error():
         engine.close()
     with pytest.raises(RuntimeError, match="after close"):
         engine.submit([Spill(0, 0, 1)])
+
+
+@pytest.mark.timeout(30)
+def test_a_copier_exception_in_a_spill_fails_every_wait_instead_of_hanging(tiers, monkeypatch):
+    """The copier raises before the spill has read its device blocks: the worker must not leave
+    ``wait_device_reads`` waiting for a read that will never be reported."""
+    _, _, _, make_engine = tiers
+    engine = make_engine()
+
+    def broken_copy_out(*args, **kwargs):
+        raise RuntimeError("copier broke")
+
+    monkeypatch.setattr(engine._copier, "copy_out", broken_copy_out)
+    engine.submit([Spill(0, 0, tag=1)])
+    with pytest.raises(RuntimeError, match=r"Spill .*tickets 0\.\.0.*copier broke"):
+        engine.wait_device_reads()
+    with pytest.raises(RuntimeError, match="copier broke"):  # failed for good
+        engine.agree(None, wait=False)
+    with pytest.raises(RuntimeError, match="copier broke"):
+        engine.submit([Spill(1, 1, tag=2)])
+    engine.close()  # returns: the worker has stopped
+
+
+@pytest.mark.timeout(30)
+def test_an_exception_in_the_worker_loop_fails_the_next_wait(tiers, monkeypatch):
+    """Not an op but the loop around them raises: the thread ends, and the wait for the next
+    batch, which nobody will run, raises instead of blocking forever."""
+    _, _, _, make_engine = tiers
+    engine = make_engine()
+
+    def broken_record(seconds):
+        raise RuntimeError("latency recorder broke")
+
+    monkeypatch.setattr(engine.transfer_latency, "record", broken_record)
+    engine.submit([Spill(0, 0, tag=1)])
+    engine.submit([Spill(1, 1, tag=2)])
+    with pytest.raises(RuntimeError, match="latency recorder broke"):
+        engine.wait_all()
+
+
+@pytest.mark.timeout(30)
+def test_a_disk_store_closed_under_the_engine_fails_it(tiers):
+    """Not an I/O error (those fail their blocks only) but a broken rank: the engine fails, so
+    the group is replaced instead of quietly losing every later disk op."""
+    _, _, disk, make_engine = tiers
+    engine = make_engine()
+    assert run(engine, [Spill(0, 0, tag=1)]) == (OK,)
+    disk.close()
+    engine.submit([WriteDisk(0, 3, tag=1)])
+    with pytest.raises(RuntimeError, match=r"WriteDisk .*tickets 1\.\.1.*is closed"):
+        engine.wait_all()
+
+
+class _StuckDisk(DiskStore):
+    """A disk whose writes hang until ``release`` is set, like a device that stopped answering."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.release = threading.Event()
+
+    def write(self, slots, buffers):
+        self.release.wait()
+        return super().write(slots, buffers)
+
+
+@pytest.mark.timeout(30)
+def test_waits_on_a_stuck_worker_time_out_and_close_returns(tmp_path):
+    kv = random_cache()
+    host = HostBuffer(4, SPEC.bytes_per_block, pin=False)
+    disk = _StuckDisk(tmp_path / "slots.bin", 4, host.slot_bytes)
+    engine = TransferEngine(kv, host, disk, wait_timeout_s=0.5)
+    try:
+        engine.submit([Spill(0, 0, tag=1), WriteDisk(0, 2, tag=1)])
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"0\.5 s"):
+            engine.wait_all()
+        assert time.monotonic() - started < 5
+        with pytest.raises(RuntimeError, match=r"0\.5 s"):  # failed for good
+            engine.agree(None, wait=False)
+        started = time.monotonic()
+        engine.close()  # gives up on the stuck worker instead of joining it forever
+        assert time.monotonic() - started < 5
+    finally:
+        disk.release.set()
+        engine._worker.join(10)
+        disk.close()
+        host.close()
+    with pytest.raises(ValueError, match="wait_timeout_s"):
+        TransferEngine(kv, HostBuffer(1, SPEC.bytes_per_block, pin=False), wait_timeout_s=0)
 
 
 def _agree_rank(rank: int, init_method: str, results) -> None:

@@ -281,6 +281,23 @@ def test_disk_write_errors_degrade_to_recompute(model_dir, references, tmp_path)
     assert report["io_errors"] > 0
 
 
+@pytest.mark.timeout(120)
+def test_a_broken_transfer_worker_fails_the_engine_step(model_dir, tmp_path):
+    """A rank's disk store closed under the running engine is no I/O error to recompute around:
+    the step raises (so the group is replaced) instead of hanging, and shutdown still returns."""
+    cfg = config(model_dir, host_kv_blocks=2, disk_kv_dir=str(tmp_path / "kv"), disk_kv_blocks=64)
+    llm = LLM(cfg)
+    try:
+        llm.engine.rank.tiers.disk.close()
+        with pytest.raises(RuntimeError, match=r"KV transfers failed: .*WriteDisk.*is closed"):
+            generate(llm, FIRST)
+    finally:
+        try:
+            llm.shutdown()
+        except RuntimeError:
+            pass  # draining the failed transfers raises the same error again
+
+
 def test_two_engines_share_a_disk_dir_in_separate_subdirectories(model_dir, references, tmp_path):
     cfg = config(model_dir, host_kv_blocks=2, disk_kv_dir=str(tmp_path / "kv"), disk_kv_blocks=64)
     with LLM(cfg) as first, LLM(cfg) as second:
