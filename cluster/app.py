@@ -20,6 +20,7 @@ from cluster.ingress import build_ingress
 from cluster.kv_router import KVAwareRouter
 from workers.config import EngineConfig
 from workers.default_model import resolve_model_path
+from workers.loader import checkpoint_files
 from workers.model_config import load_model_config
 
 
@@ -45,6 +46,20 @@ class ServeConfig:
         if not 0.0 < self.kv_target_occupancy <= 1.0:
             raise ValueError(f"--kv-target-occupancy must be in (0, 1], got "
                              f"{self.kv_target_occupancy}")
+
+
+def check_serve_config(config: ServeConfig) -> None:
+    """What every group replica would find out in its constructor, found out before anything
+    is deployed: the checkpoint is there and readable, TP divides its heads, the context fits
+    its positions. Raises ``ValueError`` / ``OSError`` naming the problem."""
+    engine = config.engine
+    model_dir = resolve_model_path(engine.model)
+    model = load_model_config(model_dir)
+    model.check_tp_size(engine.tp_size)
+    if engine.max_model_len and engine.max_model_len > model.max_position_embeddings:
+        raise ValueError(f"--max-model-len {engine.max_model_len} exceeds the model's "
+                         f"max_position_embeddings ({model.max_position_embeddings})")
+    checkpoint_files(model_dir)
 
 
 def parse_groups(text: str) -> tuple:

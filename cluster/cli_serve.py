@@ -6,11 +6,14 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 
 from cluster.cli_generate import add_engine_arguments, engine_config
 
 logger = logging.getLogger(__name__)
+
+APP_NAME = "tpserve"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -33,32 +36,49 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import ServeConfig, build_app, parse_groups
+    from cluster.app import ServeConfig, build_app, check_serve_config, parse_groups
 
     min_groups, max_groups = parse_groups(args.groups)
     config = ServeConfig(engine=engine_config(args), min_groups=min_groups,
                          max_groups=max_groups, kv_target_occupancy=args.kv_target_occupancy,
                          api_key=args.api_key, served_model_name=args.served_model_name)
+    check_serve_config(config)  # before Ray starts: a bad configuration never deploys
     if args.address:
         ray.init(address=args.address)
     else:
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(config, ray.cluster_resources()), name="tpserve", route_prefix="/")
+        try:
+            serve.run(build_app(config, ray.cluster_resources()), name=APP_NAME,
+                      route_prefix="/")
+        except RuntimeError as exc:  # Serve gave up on a deployment (its replicas kept failing)
+            print(f"tpserve serve: error: the application failed to deploy: {exc}",
+                  file=sys.stderr)
+            return 1
         print(f"tpserve: serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
-        _wait_for_signal()
+        return _serve_until_stopped()
     finally:
         from cluster.metrics import kill_metrics_store
 
         serve.shutdown()
         kill_metrics_store()  # detached, so it would outlive the app on a shared cluster
         ray.shutdown()
-    return 0
 
 
-def _wait_for_signal() -> None:
+def _serve_until_stopped(check_every_s: float = 5.0) -> int:
+    """Until SIGINT or SIGTERM (exit 0), or until Serve reports that the application failed to
+    deploy (exit 1, saying why); a group replaced after a failure is not a deploy failure."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(check_every_s):
+        app = serve.status().applications.get(APP_NAME)
+        if app is not None and app.status == ApplicationStatus.DEPLOY_FAILED:
+            print(f"tpserve serve: error: the application failed to deploy: {app.message}",
+                  file=sys.stderr)
+            return 1
+    return 0

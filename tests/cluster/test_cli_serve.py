@@ -1,0 +1,33 @@
+"""`tpserve serve` refuses a configuration the model cannot take before it starts anything."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def serve(*args, timeout=60):
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", *args],
+                            capture_output=True, text=True, timeout=timeout)
+    return result, time.monotonic() - started
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--tp", "3"), "tensor-parallel size 3 does not divide the model's 4 attention heads"),
+    (("--max-model-len", "100000"), "exceeds the model's max_position_embeddings (256)"),
+])
+def test_a_configuration_the_model_cannot_take_exits_before_deploying(tiny_llama, args, words):
+    result, elapsed = serve("--model", str(tiny_llama), "--port", "0", *args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert words in result.stderr and "Traceback" not in result.stderr
+    assert "serving on" not in result.stdout
+    assert elapsed < 30  # refused up front, not after Ray and Serve started
+
+
+def test_a_missing_checkpoint_exits_before_deploying(tmp_path):
+    result, _ = serve("--model", str(tmp_path / "nope"), "--port", "0")
+    assert result.returncode == 2 and "nope" in result.stderr
