@@ -43,7 +43,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     tiers.add_argument("--kv-hotness-decay", type=float, default=0.95,
                        help="hotness: decay of the per-request moving average of accesses")
     tiers.add_argument("--kv-pin-threshold", type=float, default=0.9,
-                       help="hotness: blocks above this stay on the device")
+                       help="hotness: blocks above this are held on the device "
+                            "(evicted only as a last resort; a copy is kept on host)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
