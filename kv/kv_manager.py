@@ -4,6 +4,11 @@ A request's block table is the list of blocks holding its tokens in order. Full 
 registered in the prefix cache under their chained hash once their K/V has been computed, so a
 later request with the same prefix takes them (``find_cached_prefix``) instead of recomputing.
 The manager keys everything by an opaque request key; it knows nothing about requests otherwise.
+
+With a sliding window on every layer, a request's oldest blocks leave the window and are freed
+while it runs (``free_leading_blocks``). They keep their places in its table, so position ``p``
+stays in block ``p // block_size``; those leading entries are stale (another request may hold
+the block now) and are never freed, cached or read for this request again.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class KVCacheManager:
         self.tiers: Optional[KVTiers] = None  # host/disk tiers below the pool, when configured
         self._tables: Dict[Hashable, List[Block]] = {}
         self._num_cached: Dict[Hashable, int] = {}  # leading blocks already registered
+        self._num_freed: Dict[Hashable, int] = {}  # leading blocks freed: stale table entries
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of which found, in any tier
         self.num_device_hits = 0  # of which found in this pool
@@ -156,12 +162,35 @@ class KVCacheManager:
         """Release ``key``'s blocks, last block first so shared prefixes outlive tails."""
         table = self._tables.pop(key, None)
         self._num_cached.pop(key, None)
+        num_freed = self._num_freed.pop(key, 0)
         if table:
-            released = self.pool.free(list(reversed(table)))
-            if self.tiers is not None:
-                self.tiers.write_through(released)
+            self._release(list(reversed(table[num_freed:])))
+
+    def free_leading_blocks(self, key: Hashable, num_blocks: int) -> None:
+        """Free ``key``'s first ``num_blocks`` blocks, which no query of it will read again (they
+        left the sliding window); blocks freed by an earlier call are skipped. The entries stay
+        in the table. A block shared with another request (a cached prefix) only loses this
+        request's reference. Raises ``ValueError`` past the table's end. O(blocks freed)."""
+        table = self._tables[key]
+        if num_blocks > len(table):
+            raise ValueError(f"cannot free {num_blocks} leading blocks of {key!r}: its table "
+                             f"holds {len(table)} blocks")
+        done = self._num_freed.get(key, 0)
+        if num_blocks <= done:
+            return
+        self._num_freed[key] = num_blocks
+        # A block freed before it was registered must never be registered later: it may
+        # hold another request's tokens by then.
+        self._num_cached[key] = max(self._num_cached[key], num_blocks)
+        self._release(list(reversed(table[done:num_blocks])))
+
+    def _release(self, blocks: List[Block]) -> None:
+        released = self.pool.free(blocks)
+        if self.tiers is not None:
+            self.tiers.write_through(released)
 
     def blocks(self, key: Hashable) -> List[Block]:
+        """``key``'s table; after ``free_leading_blocks`` its first entries are stale."""
         return list(self._tables.get(key, ()))
 
     def usage(self, filled_slots: Dict[Hashable, int]) -> KVUsage:
