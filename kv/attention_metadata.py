@@ -1,4 +1,5 @@
-"""Per-step indices for paged attention, built once per step and shared by every layer.
+"""Per-step indices for paged attention, built once per step (once per distinct sliding window)
+and shared by the layers.
 
 A step runs a flat batch of ``T`` new tokens from ``B`` sequences, each contributing ``query_len``
 consecutive tokens after ``num_computed`` tokens already in the cache::
@@ -6,10 +7,11 @@ consecutive tokens after ``num_computed`` tokens already in the cache::
     seq b:  [ cached prefix: num_computed ][ this step: query_len ]   context_len = sum of both
              slots from block_table[b]        written to slot_mapping, then attended to as well
 
-Decodes (``query_len == 1``) form buckets of similar context lengths: padded gather indices of their queries and cached
-keys and a boolean mask, so each bucket attends in one batched call per layer. Prefills attend one
-sequence at a time (``PrefillSlice``): padding prompts of different lengths to the longest would
-cost more than the extra calls, and a prefill without a cached prefix needs no mask at all.
+Decodes (``query_len == 1``) form buckets of similar context lengths: padded gather indices of
+their queries and cached keys and a boolean mask, so each bucket attends in one batched call per
+layer. Prefills attend one sequence at a time (``PrefillSlice``): padding prompts of different
+lengths to the longest would cost more than the extra calls, and a prefill without a cached prefix
+needs no mask at all.
 
 With a sliding window of ``W`` tokens a query at position ``p`` sees the keys ``p-W+1 .. p``, and
 only those keys are gathered: a windowed decode costs O(W), not O(context), and a slot before

@@ -52,6 +52,13 @@ class ModelConfig:
     eos_token_ids: tuple
     bos_token_id: Optional[int]
 
+    @property
+    def shared_window(self) -> Optional[int]:
+        """The window when every layer has the same one, else None. Only then may KV blocks
+        that left the window be freed: a full-attention layer reads every token."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
+
     def check_tp_size(self, tp_size: int) -> None:
         """Raise ``ValueError`` unless the heads split evenly over ``tp_size`` ranks."""
         if self.num_heads % tp_size:
