@@ -76,18 +76,22 @@ def test_chunked_prefill_matches_transformers(checkpoints, references):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind,tp,blocks", [
-    ("llama", 2, 24),  # GQA split 1 KV head per rank, preemption, prefix hits
-    ("qwen2", 2, 256),
-    ("mistral", 4, 24),  # one KV head replicated on 4 ranks, sliding window, preemption
-    ("llama_tied", 4, 256),  # tied LM head over an uneven vocab split
+@pytest.mark.parametrize("kind,tp,blocks,has_hits", [
+    ("llama", 2, 24, True),  # GQA split 1 KV head per rank, preemption, prefix hits
+    ("qwen2", 2, 256, True),
+    # One KV head replicated on 4 ranks, sliding window, preemption. Every layer slides, so
+    # leading blocks are freed as they leave the window; in a pool this tight they are evicted
+    # before a prompt looks for them again, and the prefix cache finds nothing.
+    ("mistral", 4, 24, False),
+    ("llama_tied", 4, 256, True),  # tied LM head over an uneven vocab split
 ])
-def test_tensor_parallel_matches_transformers(checkpoints, references, kind, tp, blocks):
+def test_tensor_parallel_matches_transformers(checkpoints, references, kind, tp, blocks,
+                                              has_hits):
     first, second, hits, preemptions = run_twice(checkpoints[kind], tp_size=tp,
                                                  num_kv_blocks=blocks)
     assert first == references[kind]
     assert second == references[kind]
-    assert hits > 0
+    assert (hits > 0) == has_hits
     assert (preemptions > 0) == (blocks == 24)
 
 
