@@ -10,9 +10,16 @@ decode, a chunk of the prompt for a prefill), all under one token budget:
    last block swapped to a private host slot, so it resumes by copying them back; without one it
    recomputes whatever of its prefix no longer is cached.
 2. Waiting requests, first come first served, while the budget, ``max_num_seqs`` and the pool
-   allow; each starts after the longest prefix found in the prefix cache. A prefix that continues
-   on host or disk is restored first: the request waits in ``loading`` (the others keep running)
-   until every rank has its blocks, then runs from the first block that did not come back intact.
+   allow; each starts after the longest prefix found in the prefix cache. A prefix that
+   continues on host or disk is restored first: the request waits in ``loading`` (the others
+   keep running) until every rank has its blocks, then runs from the first block that did not
+   come back intact. The choices of an ``n`` > 1 request after the first wait (without blocking
+   the queue) until the first has computed the shared prompt, then find its full blocks cached:
+   one prefill for all of them.
+
+When every layer of the model has the same sliding window, a running request's leading blocks
+are freed once they left the window of its next token (no layer reads them again; the attention
+gathers only the window), so a long decode holds about ``window / block_size + 2`` blocks.
 
 Guarantees: never a crash or a deadlock on a full pool (a request that cannot fit even alone is
 finished with ``length``); a request sampled only when its last token was computed.
@@ -26,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Tuple
 
+from kv.attention_metadata import first_key_position
 from kv.kv_manager import CachedPrefix, KVCacheManager, KVUsage
 from kv.prefix_hash import extend_block_hashes, hash_block
 from kv.tier_ops import TierOpResults
@@ -40,11 +48,16 @@ logger = logging.getLogger(__name__)
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
+    # The window every layer of the model has (blocks that left it are freed); None when any
+    # layer attends to the whole context.
+    sliding_window: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
 
 
 @dataclass(frozen=True)
@@ -188,9 +201,13 @@ class Scheduler:
 
     def _admit(self, budget: int, steps: List[SeqStep], scheduled: List[Tuple[Request, int]],
                finished: List[Request]) -> None:
+        held_back: List[Request] = []  # choices waiting for their leader's prefill
         while (self.waiting and budget > 0
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.waits_for_leader:
+                held_back.append(self.waiting.popleft())
+                continue
             extend_block_hashes(request.block_hashes, request.all_token_ids, self.kv.block_size)
             prefix = self.kv.find_cached_prefix(request.all_token_ids, request.block_hashes)
             hits, tail = self._find_lower(request, prefix)
@@ -224,6 +241,7 @@ class Scheduler:
             steps.append(self._seq_step(request, num_new))
             scheduled.append((request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(held_back))
 
     def _seq_step(self, request: Request, num_new: int) -> SeqStep:
         start = request.num_computed_tokens
@@ -305,6 +323,14 @@ class Scheduler:
             extend_block_hashes(request.block_hashes, request.all_token_ids, self.kv.block_size)
             self.kv.cache_full_blocks(request.request_id, request.all_token_ids,
                                       request.block_hashes, request.num_computed_tokens)
+            if self.config.sliding_window is not None:
+                self._free_out_of_window(request)
+
+    def _free_out_of_window(self, request: Request) -> None:
+        """Free the leading blocks whose every token is older than the window of the request's
+        next token: the attention never gathers them again (``first_key_position``)."""
+        first = first_key_position(request.num_computed_tokens, self.config.sliding_window)
+        self.kv.free_leading_blocks(request.request_id, first // self.kv.block_size)
 
     def kv_usage(self) -> KVUsage:
         return self.kv.usage({r.request_id: r.num_computed_tokens for r in self.running})
