@@ -39,13 +39,19 @@ class IncrementalDetokenizer:
         self._held = ""  # decoded, not emitted: it may be the start of a stop string
         self.is_stopped = False
 
-    def add_token(self, token_id: int) -> Tuple[str, bool]:
+    def add_token(self, token_id: int, can_stop: bool = True) -> Tuple[str, bool]:
         """Append a token; returns the text to emit now (possibly empty) and whether a stop
-        string matched (the request ends there: nothing more is emitted, flush included)."""
+        string matched (the request ends there: nothing more is emitted, flush included).
+        With ``can_stop`` false (``min_tokens`` not yet passed) stop strings are ordinary text."""
         if self.is_stopped:
             return "", True
         self._ids.append(token_id)
-        return self._release(self._decode_new(hold_incomplete=True), is_final=False)
+        new_text = self._decode_new(hold_incomplete=True)
+        if not can_stop:
+            delta, self._held = self._held + new_text, ""
+            self.text += delta
+            return delta, False
+        return self._release(new_text, is_final=False)
 
     def flush(self) -> str:
         """At the end of a request: the text held back (for an incomplete character or a stop

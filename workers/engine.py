@@ -327,7 +327,9 @@ class LLMEngine:
         delta, stopped_by_string = "", False
         detok = self._detok.get(request.request_id)
         if detok is not None:
-            delta, stopped_by_string = detok.add_token(token.token_id)
+            # As vLLM: stop strings count once more than min_tokens tokens were generated.
+            can_stop = len(request.output_token_ids) > request.params.min_tokens
+            delta, stopped_by_string = detok.add_token(token.token_id, can_stop)
         if stopped_by_string:
             reason = FinishReason.STOP
         elif reason is None and request.num_tokens >= self.max_model_len:

@@ -88,3 +88,15 @@ def test_abort_finishes_every_choice(engine):
 def test_bad_token_ids_in_params_are_refused(engine):
     with pytest.raises(ValueError, match="logit_bias: token ids must be in"):
         engine.add_request(PROMPTS[0], SamplingParams(logit_bias={10**6: 1.0}))
+
+
+def test_stop_strings_do_not_end_a_request_before_min_tokens(engine):
+    """As vLLM: a stop string counts only once more than ``min_tokens`` tokens were generated."""
+    greedy = dict(max_tokens=8, temperature=0, ignore_eos=True)
+    whole = run(engine, [PROMPTS[0]], SamplingParams(**greedy))[0, 0]
+    stop = whole.text[:2]  # ends inside the first token or two
+    early = run(engine, [PROMPTS[0]], SamplingParams(stop=(stop,), **greedy))[0, 0]
+    assert early.finish_reason == "stop" and len(early.output_token_ids) <= 2
+    held = run(engine, [PROMPTS[0]], SamplingParams(stop=(stop,), min_tokens=4, **greedy))[0, 0]
+    assert len(held.output_token_ids) > 4
+    assert held.text.startswith(stop)  # the early stop string is ordinary text
