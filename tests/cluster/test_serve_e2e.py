@@ -4,7 +4,11 @@ a Ray actor), driven with the official `openai` client; greedy outputs equal tra
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -108,3 +112,22 @@ def test_group_ranks_share_one_node_by_default(client):
     ranks = handle.rank_info.remote().result()
     assert len(ranks) == 2 and ranks[0]["node_id"] == ranks[1]["node_id"]
     assert ranks[0]["pid"] != ranks[1]["pid"]
+
+
+def test_health_reports_the_serving_groups_and_n_choices_on_a_tp2_group(client, expected):
+    url = str(client.base_url).replace("/v1/", "/health").rstrip("/")
+    deadline = time.monotonic() + 30  # the group pushes its report every second
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                body = json.loads(resp.read())
+                break
+        except urllib.error.HTTPError as err:
+            assert err.code == 503 and time.monotonic() < deadline
+            time.sleep(0.5)
+    assert body == {"status": "ok", "groups": 1}
+    out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_NEW,
+                                    temperature=0.0, n=2)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].text == out.choices[1].text
+    assert out.usage.completion_tokens == 2 * len(expected[0])
