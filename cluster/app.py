@@ -20,8 +20,8 @@ from cluster.ingress import build_ingress
 from cluster.kv_router import KVAwareRouter
 from workers.config import EngineConfig
 from workers.default_model import resolve_model_path
-from workers.loader import checkpoint_files
-from workers.model_config import load_model_config
+from workers.engine_sizing import check_model, context_length, fit_context_to_pool
+from workers.model_config import ModelConfig, load_model_config
 
 
 @dataclass(frozen=True)
@@ -50,16 +50,18 @@ class ServeConfig:
 
 def check_serve_config(config: ServeConfig) -> None:
     """What every group replica would find out in its constructor, found out before anything
-    is deployed: the checkpoint is there and readable, TP divides its heads, the context fits
-    its positions. Raises ``ValueError`` / ``OSError`` naming the problem."""
-    engine = config.engine
-    model_dir = resolve_model_path(engine.model)
-    model = load_model_config(model_dir)
-    model.check_tp_size(engine.tp_size)
-    if engine.max_model_len and engine.max_model_len > model.max_position_embeddings:
-        raise ValueError(f"--max-model-len {engine.max_model_len} exceeds the model's "
-                         f"max_position_embeddings ({model.max_position_embeddings})")
-    checkpoint_files(model_dir)
+    is deployed (``workers.engine_sizing``). Raises ``ValueError`` / ``OSError``."""
+    _, model = check_model(config.engine)
+    served_context_length(config.engine, model)
+
+
+def served_context_length(engine: EngineConfig, model: ModelConfig) -> int:
+    """The context the groups serve: the model's or the one asked for, lowered (or refused)
+    as the engines do when ``--kv-blocks`` holds less."""
+    wanted = context_length(engine, model)
+    if engine.num_kv_blocks is None:
+        return wanted  # sized from --kv-cache-gb and the dtype: the engine decides
+    return fit_context_to_pool(engine, wanted, engine.num_kv_blocks)
 
 
 def parse_groups(text: str) -> tuple:
@@ -120,8 +122,7 @@ def build_app(config: ServeConfig, cluster: Dict[str, float]):
         **scaling,
     ).bind(engine, resources)
     name = config.served_model_name or model_dir.name
-    max_positions = load_model_config(model_dir).max_position_embeddings
     return build_ingress(groups, model_dir=str(model_dir), served_model_name=name,
                          block_size=engine.block_size,
-                         max_model_len=min(engine.max_model_len or max_positions, max_positions),
+                         max_model_len=served_context_length(engine, load_model_config(model_dir)),
                          api_key=config.api_key)

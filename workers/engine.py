@@ -16,15 +16,13 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from kv.kv_cache import KVCacheSpec
 from kv.kv_manager import KVUsage
 from kv.tier_ops import TierOpResults
 from parallel.tp_group import TPGroupConfig
 from workers.config import EngineConfig
-from workers.default_model import resolve_model_path
 from workers.detokenizer import IncrementalDetokenizer
-from workers.loader import checkpoint_files
-from workers.model_config import ModelConfig, load_model_config
+from workers.engine_sizing import (block_spec, check_model, context_length, default_num_blocks,
+                                   fit_context_to_pool)
 from workers.multiproc import RankLauncher, RankProcesses, free_tcp_init_method
 from workers.rank import RankConfig, build_rank, execute_plan, resolve_dtype
 from workers.request import FinishReason, Request, RequestId
@@ -37,8 +35,6 @@ from workers.tier_setup import (RankTierConfig, build_kv_manager, claim_engine_d
 from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-_MAX_KV_BLOCKS = 1 << 17  # Python block objects stay cheap below this
 
 
 @dataclass(frozen=True)
@@ -88,12 +84,10 @@ class LLMEngine:
         self.config = config
         self._init_host = init_host
         self._disk_lock = None  # this engine's claim on a directory under --disk-kv-dir
-        self.model_dir = resolve_model_path(config.model)
-        self.model_config = load_model_config(self.model_dir)
-        self.model_config.check_tp_size(config.tp_size)
-        checkpoint_files(self.model_dir)  # fail on missing shards before starting ranks
+        self.model_dir, self.model_config = check_model(config)  # before any rank starts
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.max_model_len = self._max_model_len()  # fitted to the KV pool by _rank_configs
+        # Fitted to the KV pool by _rank_configs.
+        self.max_model_len = context_length(config, self.model_config)
         rank_configs = self._rank_configs()
         self.num_kv_blocks = rank_configs[0].num_kv_blocks
         self._children = launcher(rank_configs[1:]) if config.tp_size > 1 else None
@@ -116,22 +110,14 @@ class LLMEngine:
         self.step_records: List[StepRecord] = []  # only with config.record_steps
         self._is_shut_down = False
 
-    def _max_model_len(self) -> int:
-        """The context the user asked for, or the model's; at most the model's."""
-        model_max = self.model_config.max_position_embeddings
-        wanted = self.config.max_model_len or model_max
-        if wanted > model_max:
-            raise ValueError(f"--max-model-len {wanted} exceeds the model's "
-                             f"max_position_embeddings ({model_max})")
-        return wanted
-
     def _rank_configs(self) -> List[RankConfig]:
         cfg, model = self.config, self.model_config
         use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
         dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if use_cuda else "cpu"),
                               model.torch_dtype)
-        num_blocks = cfg.num_kv_blocks or self._default_num_blocks(model, dtype)
-        self.max_model_len = self._fit_context_to_pool(num_blocks)
+        num_blocks = cfg.num_kv_blocks or default_num_blocks(cfg, model, dtype,
+                                                             self.max_model_len)
+        self.max_model_len = fit_context_to_pool(cfg, self.max_model_len, num_blocks)
         init = free_tcp_init_method(self._init_host) if cfg.tp_size > 1 else None
         threads = None if use_cuda else max(1, (torch.get_num_threads()) // cfg.tp_size)
         dtype_name = str(dtype).replace("torch.", "")
@@ -147,54 +133,14 @@ class LLMEngine:
         cfg = self.config
         if not cfg.has_host_tier:
             return None
-        num_host, num_disk = tier_sizes(cfg, self._block_spec(dtype).bytes_per_block)
+        num_host, num_disk = tier_sizes(
+            cfg, block_spec(cfg, self.model_config, dtype).bytes_per_block)
         identity = model_identity(self.model_dir, dtype_name, cfg.block_size, cfg.tp_size)
         engine_dir = None
         if cfg.disk_kv_dir is not None:
             path, self._disk_lock = claim_engine_dir(cfg.disk_kv_dir)
             engine_dir = str(path)
         return RankTierConfig(num_host, engine_dir, num_disk, identity)
-
-    def _block_spec(self, dtype: torch.dtype) -> KVCacheSpec:
-        """One block of one rank's KV pool."""
-        model = self.model_config
-        kv_heads = max(1, model.num_kv_heads // self.config.tp_size)
-        return KVCacheSpec(model.num_layers, 1, self.config.block_size, kv_heads,
-                           model.head_dim, dtype)
-
-    def _fit_context_to_pool(self, num_blocks: int) -> int:
-        """``max_model_len`` when a pool of ``num_blocks`` holds one sequence that long, so that
-        a request alone always fits. Otherwise a context taken from the model is lowered to what
-        the pool holds (with a warning), and one the user chose raises ``ValueError``."""
-        cfg, wanted = self.config, self.max_model_len
-        pool_tokens = num_blocks * cfg.block_size
-        if pool_tokens >= wanted:
-            return wanted
-        source = (f"--kv-blocks {cfg.num_kv_blocks}" if cfg.num_kv_blocks is not None
-                  else f"--kv-cache-gb {cfg.kv_cache_gb:g}")
-        pool = (f"the KV pool ({source}: {num_blocks} blocks of {cfg.block_size} tokens) holds "
-                f"{pool_tokens} tokens")
-        fix = f"set --kv-blocks to at least {-(-wanted // cfg.block_size)}"
-        if cfg.num_kv_blocks is None:
-            fix += " (or raise --kv-cache-gb)"
-        if cfg.max_model_len is not None:
-            raise ValueError(f"--max-model-len {wanted} does not fit: {pool}, fewer than one "
-                             f"sequence of {wanted}; {fix}, or --max-model-len to at most "
-                             f"{pool_tokens}")
-        if pool_tokens < 2:
-            raise ValueError(f"{pool}: a request needs at least 2 (a prompt token and an "
-                             f"output); {fix}")
-        logger.warning("%s, fewer than the model's context of %d: max_model_len lowered to %d; "
-                       "%s for the full context", pool, wanted, pool_tokens, fix)
-        return pool_tokens
-
-    def _default_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
-        """What ``kv_cache_gb`` allows, at most ``max_num_seqs`` full-length sequences; possibly
-        less than one (``_fit_context_to_pool`` then lowers the context or refuses)."""
-        spec = self._block_spec(dtype)
-        by_memory = int(self.config.kv_cache_gb * (1 << 30)) // spec.bytes_per_block
-        per_seq = -(-self.max_model_len // self.config.block_size)
-        return max(1, min(by_memory, per_seq * self.config.max_num_seqs, _MAX_KV_BLOCKS))
 
     # ----- requests -----
 

@@ -24,3 +24,17 @@ def test_groups_flag():
         parse_groups("a:b")
     with pytest.raises(ValueError, match="1 <= MIN <= MAX"):
         ServeConfig(engine=EngineConfig(model="default"), min_groups=3, max_groups=2)
+
+
+def test_the_ingress_serves_the_context_the_engines_serve(tiny_llama):
+    from cluster.app import served_context_length
+    from workers.model_config import load_model_config
+
+    model = load_model_config(tiny_llama)  # max_position_embeddings 256
+    engine = EngineConfig(model=str(tiny_llama), block_size=4)
+    assert served_context_length(engine, model) == 256
+    lowered = EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=8)
+    assert served_context_length(lowered, model) == 32  # as the engine lowers it
+    with pytest.raises(ValueError, match="--max-model-len 64 does not fit"):
+        served_context_length(EngineConfig(model=str(tiny_llama), block_size=4,
+                                           num_kv_blocks=8, max_model_len=64), model)

@@ -52,3 +52,9 @@ def test_a_deploy_that_serve_gives_up_on_exits_1_saying_why(tiny_llama, tmp_path
     assert result.returncode == 1, result.stderr[-3000:]
     assert "the application failed to deploy" in result.stderr
     assert "serving on" not in result.stdout
+
+
+def test_a_context_the_kv_pool_cannot_hold_exits_before_deploying(tiny_llama):
+    result, _ = serve("--model", str(tiny_llama), "--port", "0", "--block-size", "4",
+                      "--kv-blocks", "8", "--max-model-len", "64")
+    assert result.returncode == 2 and "--max-model-len 64 does not fit" in result.stderr
