@@ -15,6 +15,7 @@ serves), ``/metrics``. Every error is OpenAI's error JSON; unexpected ones say n
 # class-based view, and FastAPI must see the real ``Request`` annotation, not a string.
 import asyncio
 import hmac
+import json
 import logging
 import time
 import uuid
@@ -56,6 +57,7 @@ from cluster.openai_requests import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    ignored_fields,
 )
 from kv.prefix_hash import extend_block_hashes
 from workers.model_config import load_model_config
@@ -67,6 +69,15 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 METRICS_STORE_TIMEOUT_S = 2.0
 HEALTH_MAX_REPORT_AGE_S = 5.0  # groups report every second; a group silent this long is gone
 R = TypeVar("R", bound=BaseModel)
+
+
+def _json_object(raw: bytes) -> Dict[str, Any]:
+    """``raw`` as a JSON object, or {} (parsing it again then says what is wrong)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def tpserve_version() -> str:
@@ -151,7 +162,7 @@ class OpenAIIngress:
         """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` with the template applied."""
         self._authorize(request)
         raw = await request.body()
-        if b'"messages"' in raw:
+        if "messages" in _json_object(raw):
             chat = self._parse(raw, TokenizeChatRequest)
             ids = self._chat_prompt_ids(chat.messages, chat.template_options(),
                                         chat.add_special_tokens)
@@ -223,9 +234,10 @@ class OpenAIIngress:
             raise ProtocolError(f"the model '{name}' does not exist; this server serves "
                                 f"'{self.served_model_name}'", 404, param="model",
                                 code="model_not_found")
-        if body.model_extra:
+        ignored = ignored_fields(body)
+        if ignored:
             logger.warning("request fields ignored (not OpenAI or vLLM parameters): %s",
-                           sorted(body.model_extra))
+                           ignored)
         return body
 
     def _prompt_ids(self, prompt: Any, add_special_tokens: Optional[bool] = None) -> List[int]:

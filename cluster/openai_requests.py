@@ -54,6 +54,13 @@ def _refuse(raw: Any, refused: Dict[str, Tuple[Any, ...]], where: str = "") -> N
                                 f"{raw[name]!r}); leave it unset", param=param)
 
 
+def ignored_fields(body: BaseModel) -> List[str]:
+    """Fields in ``body`` that neither OpenAI nor vLLM define: ignored, to be logged. (Refused
+    fields sent at their default values pass validation and are not listed.)"""
+    refused = getattr(type(body), "_refused", {})
+    return sorted(k for k in body.model_extra or () if k not in refused)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="Send a last chunk with the usage.")
     continuous_usage_stats: bool = Field(False, description="Usage in every chunk (vLLM).")
@@ -125,9 +132,6 @@ class _SamplingFields(BaseModel):
         return bool(self.stream and self.stream_options
                     and self.stream_options.continuous_usage_stats)
 
-    def ignored_fields(self) -> List[str]:
-        """Fields in the body that neither OpenAI nor vLLM define: ignored, to be logged."""
-        return sorted(self.model_extra or ())
 
     def requested_logprobs(self) -> Optional[int]:
         raise NotImplementedError

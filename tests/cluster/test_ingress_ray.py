@@ -490,6 +490,10 @@ def test_tokenize_detokenize_version(server, tokenizer):
     expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                              tokenize=True)["input_ids"]
     assert status == 200 and json.loads(body)["tokens"] == list(expected)
+    status, body = call(server, "POST", "/tokenize", {"prompt": 'a "messages" b'})
+    assert status == 200 and json.loads(body)["tokens"] == tokenizer.encode('a "messages" b')
+    status, body = call(server, "POST", "/tokenize", b'{"prompt": ')
+    assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
     status, body = call(server, "POST", "/detokenize", {"tokens": ids})
     assert status == 200 and json.loads(body) == {"prompt": "hello world"}
     status, body = call(server, "POST", "/detokenize", {"tokens": [10**6]})
