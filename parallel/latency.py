@@ -1,19 +1,46 @@
-"""A bounded record of operation latencies (e.g. all-reduce), cheap enough for every call."""
+"""Bounded records of operation latencies (e.g. all-reduce), cheap enough for every call.
+
+Host-timed operations are recorded as they finish (``record``). Device-timed ones hand over a
+pair of timing events instead (``record_events``): a pair is read only once its end event has
+completed (``query()``, never ``synchronize()``), so timing never makes the host wait for the
+device. Completed pairs are read lazily, when the next pair comes in and whenever samples are
+read out (``drain``, ``summary``).
+"""
 
 from __future__ import annotations
 
+import threading
 from collections import deque
-from typing import Deque, Dict
+from typing import Callable, Deque, Dict, List, Optional, Protocol, Tuple
+
+
+class TimingEvent(Protocol):
+    """What is used of ``torch.cuda.Event(enable_timing=True)``."""
+
+    def record(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end: "TimingEvent") -> float: ...  # milliseconds
 
 
 class LatencyRecorder:
-    """Keeps the last ``capacity`` samples and running totals; ``drain`` hands new samples out."""
+    """Keeps the last ``capacity`` samples and running totals; ``drain`` hands new samples out.
 
-    def __init__(self, capacity: int = 4096) -> None:
+    At most ``max_pending_events`` event pairs wait for their device; beyond that the oldest is
+    dropped unread (``num_dropped_events``), so a stalled device costs bounded memory.
+    ``record`` is meant for one writer thread; event pairs may be read from any thread.
+    """
+
+    def __init__(self, capacity: int = 4096, max_pending_events: int = 128) -> None:
         self.samples: Deque[float] = deque(maxlen=capacity)
         self.count = 0
         self.total_s = 0.0
+        self.num_dropped_events = 0
         self._pending: Deque[float] = deque(maxlen=capacity)
+        self._events: Deque[Tuple[TimingEvent, TimingEvent]] = deque()
+        self._max_pending_events = max_pending_events
+        self._events_lock = threading.Lock()
 
     def record(self, seconds: float) -> None:
         self.samples.append(seconds)
@@ -21,13 +48,45 @@ class LatencyRecorder:
         self.count += 1
         self.total_s += seconds
 
-    def drain(self) -> list:
+    def record_events(self, start: TimingEvent, end: TimingEvent) -> None:
+        """Keep a recorded start/end pair (same stream) to read once ``end`` has completed."""
+        self.collect()
+        with self._events_lock:
+            if len(self._events) >= self._max_pending_events:
+                self._events.popleft()
+                self.num_dropped_events += 1
+            self._events.append((start, end))
+
+    @property
+    def num_pending_events(self) -> int:
+        return len(self._events)
+
+    def collect(self) -> int:
+        """Record the pairs whose end event has completed, oldest first; never blocks.
+
+        Pairs complete in the order they were recorded on their stream, so this stops at the
+        first one still running. Returns how many were recorded.
+        """
+        if not self._events:  # the host-timed path never takes the lock
+            return 0
+        num_read = 0
+        with self._events_lock:
+            while self._events and self._events[0][1].query():
+                start, end = self._events.popleft()
+                self.record(start.elapsed_time(end) / 1000.0)
+                num_read += 1
+        return num_read
+
+    def drain(self) -> List[float]:
         """Samples recorded since the last drain (for exporting to a histogram)."""
-        out = list(self._pending)
-        self._pending.clear()
+        self.collect()
+        out = []
+        while self._pending:  # popleft, not list + clear: a record() in between is not lost
+            out.append(self._pending.popleft())
         return out
 
     def summary(self) -> Dict[str, float]:
+        self.collect()
         ordered = sorted(self.samples)
         if not ordered:
             return {"count": 0, "p50_s": 0.0, "p99_s": 0.0, "mean_s": 0.0}
@@ -37,3 +96,40 @@ class LatencyRecorder:
             "p99_s": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
             "mean_s": self.total_s / self.count,
         }
+
+
+class SampledEventTimer:
+    """Times one call in ``every`` with a pair of device events read later by ``recorder``.
+
+    ``start()`` before the operation returns the start event of a sampled call (None otherwise,
+    at the cost of a counter); ``stop(start)`` after it records the end event and hands the pair
+    over. Nothing here waits for the device. ``can_record`` says whether events may be recorded
+    now (not while a CUDA graph is being captured, where querying an event breaks the capture).
+    """
+
+    def __init__(self, recorder: LatencyRecorder, every: int,
+                 new_event: Callable[[], TimingEvent],
+                 can_record: Callable[[], bool] = lambda: True) -> None:
+        if every < 1:
+            raise ValueError(f"time one call in every N calls needs N >= 1, got {every}")
+        self.recorder = recorder
+        self.every = every
+        self._new_event = new_event
+        self._can_record = can_record
+        self._num_calls = 0
+
+    def start(self) -> Optional[TimingEvent]:
+        is_sampled = self._num_calls % self.every == 0
+        self._num_calls += 1
+        if not is_sampled or not self._can_record():
+            return None
+        event = self._new_event()
+        event.record()
+        return event
+
+    def stop(self, start: Optional[TimingEvent]) -> None:
+        if start is None:
+            return
+        end = self._new_event()
+        end.record()
+        self.recorder.record_events(start, end)

@@ -3,8 +3,14 @@
 - ``cpu_group`` (always gloo) carries control: the per-step plan broadcast from rank 0.
 - ``device_group`` carries activations: NCCL on CUDA, gloo on CPU.
 
-Collectives on the device group are timed (``collective_latency``) so the serving layer can export
-their latency. A group of size 1 has no process groups and every collective is a no-op.
+All-reduces on the device group are timed (``all_reduce_latency``) so the serving layer can export
+their latency. On CPU (gloo, synchronous) each one is timed on the host as it runs. On CUDA one in
+``all_reduce_timing_interval`` is timed by a pair of CUDA events on the current stream, read once
+they have completed (see ``parallel.latency``): the timing never makes the host wait for the GPU.
+A sample is then the collective's time on the device, from the stream reaching it (after the work
+queued before it) to its end, waiting for the slowest rank included.
+
+A group of size 1 has no process groups and every collective is a no-op.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from parallel.latency import LatencyRecorder
+from parallel.latency import LatencyRecorder, SampledEventTimer
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +37,12 @@ class TPGroupConfig:
     world_size: int
     init_method: Optional[str] = None
     timeout_s: float = 600.0
+    all_reduce_timing_interval: int = 64  # on CUDA, time one all-reduce in this many
 
     def __post_init__(self) -> None:
+        if self.all_reduce_timing_interval < 1:
+            raise ValueError("all_reduce_timing_interval (time one all-reduce in every N) must be "
+                             f"at least 1, got {self.all_reduce_timing_interval}")
         if self.world_size < 1:
             raise ValueError(f"tensor-parallel size must be at least 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
@@ -51,6 +61,15 @@ class TPGroup:
     cpu_group: Optional[dist.ProcessGroup] = None
     device_group: Optional[dist.ProcessGroup] = None
     all_reduce_latency: LatencyRecorder = field(default_factory=LatencyRecorder)
+    all_reduce_timing_interval: int = 64  # on CUDA, time one all-reduce in this many
+    _event_timer: Optional[SampledEventTimer] = field(default=None, init=False, repr=False,
+                                                      compare=False)
+
+    def __post_init__(self) -> None:
+        if self.device.type == "cuda":
+            self._event_timer = SampledEventTimer(
+                self.all_reduce_latency, self.all_reduce_timing_interval, _new_timing_event,
+                can_record=_is_not_capturing)
 
     @property
     def is_first(self) -> bool:
@@ -60,10 +79,13 @@ class TPGroup:
         """Sum ``tensor`` over the ranks in place (timed); returns it."""
         if self.world_size == 1:
             return tensor
+        if self._event_timer is not None:
+            start_event = self._event_timer.start()
+            dist.all_reduce(tensor, group=self.device_group)
+            self._event_timer.stop(start_event)
+            return tensor
         start = time.perf_counter()
-        dist.all_reduce(tensor, group=self.device_group)
-        if tensor.is_cuda:
-            torch.cuda.current_stream().synchronize()
+        dist.all_reduce(tensor, group=self.device_group)  # gloo: done when it returns
         self.all_reduce_latency.record(time.perf_counter() - start)
         return tensor
 
@@ -84,10 +106,18 @@ class TPGroup:
             dist.destroy_process_group()
 
 
+def _new_timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
+
+
+def _is_not_capturing() -> bool:
+    return not torch.cuda.is_current_stream_capturing()
+
+
 def init_tp_group(config: TPGroupConfig, device: torch.device) -> TPGroup:
     """Join the group described by ``config`` (blocks until every rank has joined)."""
     if config.world_size == 1:
-        return TPGroup(0, 1, device)
+        return TPGroup(0, 1, device)  # no collectives, nothing to time
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=config.timeout_s)
     if device.type == "cuda":
@@ -100,5 +130,6 @@ def init_tp_group(config: TPGroupConfig, device: torch.device) -> TPGroup:
     device_group = dist.new_group(ranks, backend=backend, timeout=timeout)
     cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
     logger.info("rank %d/%d joined (%s device group)", config.rank, config.world_size, backend)
-    return TPGroup(config.rank, config.world_size, device, cpu_group, device_group)
+    return TPGroup(config.rank, config.world_size, device, cpu_group, device_group,
+                   all_reduce_timing_interval=config.all_reduce_timing_interval)
 
