@@ -1,0 +1,185 @@
+"""Throughput section of ``scripts/gpu_check.py``: tpserve against ``transformers`` ``generate`` on
+the same device, and against the device's limit.
+
+The model is a random Llama shaped like Llama-3.2-1B (1.24B parameters, tied embeddings) in bf16;
+with ``--quick`` a tiny one in fp32 (CPU) or bf16 (CUDA). The requests are the first 64 of the
+Azure LLM inference code trace (``TRACE_LENGTHS``, copied from
+``AzureLLMInferenceTrace_code.csv``: 150k prompt and 1.5k output tokens, unscaled on a GPU),
+random token ids, greedy, each request generating exactly its trace output length (tpserve with
+``ignore_eos``, ``transformers`` with ``min_new_tokens``). Systems, one after the other, warmed up:
+
+* tpserve, once per attention backend ``EngineConfig`` offers: every request submitted at once,
+  stepped until all finish (``bench_engine.run_tpserve``);
+* ``transformers`` static batching: ``bench_engine.run_hf_generate``, left-padded batches sorted
+  by prompt length.
+
+``roofline_frac`` is the time tpserve's exact steps would take at the device's limit over its wall
+time, each step costed as ``bench_engine.ModelCost`` does (weight bytes per step over memory
+bandwidth, or FLOPs over the matmul rate, whichever is longer); the limit on CUDA is the H200's
+4.8 TB/s HBM and 989 TFLOP/s dense bf16, on CPU what this machine measures in the same run.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+import bench_engine
+from gpu_check_common import CheckContext, Report, free_device_memory
+from gpu_check_models import LLAMA_1B, TINY_TIED, OnDevice, build_checkpoint
+from gpu_check_parity import Variant, attention_backends, default_backend
+from workers.config import EngineConfig
+from workers.llm import LLM
+from workers.sampling_params import SamplingParams
+
+# (ContextTokens, GeneratedTokens) of the first 64 requests of AzureLLMInferenceTrace_code.csv.
+TRACE_LENGTHS: Tuple[Tuple[int, int], ...] = (
+    (4808, 10), (3180, 8), (110, 27), (7433, 14), (34, 12), (374, 14), (6985, 9), (34, 23),
+    (1145, 7), (201, 24), (137, 9), (7427, 8), (1555, 19), (3893, 19), (1827, 10), (394, 17),
+    (675, 6), (7436, 9), (158, 26), (6587, 18), (763, 8), (1556, 18), (5108, 12), (159, 127),
+    (458, 67), (2464, 30), (4009, 51), (1632, 9), (2567, 45), (730, 36), (5108, 10), (2569, 7),
+    (1832, 7), (1630, 9), (6587, 13), (7436, 6), (1044, 16), (327, 124), (1630, 9), (3351, 9),
+    (1562, 18), (3724, 9), (328, 43), (965, 8), (6586, 11), (2366, 7), (328, 40), (1513, 29),
+    (328, 9), (2025, 9), (2169, 13), (74, 14), (771, 142), (76, 18), (75, 16), (527, 27),
+    (2024, 97), (197, 7), (109, 12), (432, 10), (2025, 19), (6586, 9), (7435, 9), (2648, 15),
+)
+
+H200_HBM_GBPS = 4800.0
+H200_BF16_GFLOPS = 989_000.0
+
+
+@dataclass(frozen=True)
+class ThroughputPlan:
+    shape: Dict[str, object]
+    dtype: torch.dtype
+    num_requests: int
+    prompt_scale: float
+    output_scale: float
+    max_output: Optional[int]
+    max_model_len: int
+    kv_cache_gb: float
+    max_num_batched_tokens: int
+    hf_batch_size: int
+
+
+def plan_for(ctx: CheckContext) -> ThroughputPlan:
+    """The run's sizes; ``--num-requests``, ``--prompt-scale``, ``--output-scale`` override."""
+    a = ctx.args
+    if ctx.quick:
+        plan = ThroughputPlan(TINY_TIED, torch.bfloat16 if ctx.is_cuda else torch.float32, 8,
+                              1 / 32, 1.0, 8, 256, 0.05, 256, 4)
+    else:
+        plan = ThroughputPlan(LLAMA_1B, torch.bfloat16, 64, 1.0, 1.0, None, 8192, 16.0, 8192, 16)
+    return ThroughputPlan(**{**plan.__dict__, **{k: v for k, v in (
+        ("num_requests", a.num_requests), ("prompt_scale", a.prompt_scale),
+        ("output_scale", a.output_scale)) if v is not None}})
+
+
+def build_workload(plan: ThroughputPlan, vocab_size: int, seed: int = 0) -> bench_engine.Workload:
+    if not 1 <= plan.num_requests <= len(TRACE_LENGTHS):
+        raise ValueError(f"--num-requests must be in [1, {len(TRACE_LENGTHS)}] (the trace "
+                         f"requests copied into this script), got {plan.num_requests}")
+    lengths = [bench_engine.clamp_lengths(round(p * plan.prompt_scale),
+                                          round(o * plan.output_scale), plan.max_model_len,
+                                          plan.max_output)
+               for p, o in TRACE_LENGTHS[:plan.num_requests]]
+    prompts = bench_engine.random_prompts([p for p, _ in lengths], vocab_size,
+                                          random.Random(seed))
+    return bench_engine.Workload("azure-code", prompts, [o for _, o in lengths])
+
+
+def run_engine(ctx: CheckContext, plan: ThroughputPlan, model_dir: Path,
+               workload: bench_engine.Workload, variant: Variant):
+    """tpserve's run of ``workload`` after a warm-up: (result, step records, model config)."""
+    config = EngineConfig(model=str(model_dir), device=ctx.device.type,
+                          dtype=str(plan.dtype).replace("torch.", ""),
+                          max_model_len=plan.max_model_len, kv_cache_gb=plan.kv_cache_gb,
+                          max_num_batched_tokens=plan.max_num_batched_tokens, record_steps=True,
+                          **variant.kwargs())
+    warm = [list(range(3, 3 + n)) for n in (min(300, plan.max_model_len // 2), 20)]
+    try:
+        with LLM(config) as llm:
+            llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            result, steps = bench_engine.run_tpserve(llm, workload)
+            return result, steps, llm.engine.model_config
+    finally:
+        free_device_memory()
+
+
+def machine_limits(ctx: CheckContext, model_config) -> Tuple[float, float, str]:
+    """(memory GB/s, matmul GFLOP/s, where they come from)."""
+    if ctx.is_cuda:
+        return H200_HBM_GBPS, H200_BF16_GFLOPS, "H200: 4.8 TB/s HBM, 989 TFLOP/s dense bf16"
+    read = bench_engine.measure_read_gbps(0.25)
+    matmul = max(bench_engine.measure_matmul_gflops(model_config))
+    return read, matmul, "measured here: 256 MiB sum, fp32 mm"
+
+
+def report_run(report: Report, prefix: str, result, steps, workload, cost, limits,
+               hf) -> None:
+    read, matmul, _ = limits
+    limit_s = sum(cost.step_limit_s(s, read, matmul) for s in steps)
+    tps = result.num_output_tokens / result.wall_s
+    hf_tps = hf.num_output_tokens / hf.wall_s
+    same = sum(a == b for a, b in zip(result.outputs, hf.outputs)) / len(hf.outputs)
+    report.check(f"{prefix}tpserve generated every request's tokens",
+                 [len(o) for o in result.outputs] == workload.max_tokens)
+    for name, value, unit in (("tokens_per_s", tps, "output tok/s"),
+                              ("ratio_vs_hf_generate", tps / hf_tps, ""),
+                              ("roofline_frac", limit_s / result.wall_s, ""),
+                              ("limit_tokens_per_s", result.num_output_tokens / limit_s, ""),
+                              ("wall_s", result.wall_s, "s"), ("num_steps", len(steps), ""),
+                              ("same_ids_as_hf_frac", same, "")):
+        report.figure(prefix + name, value, unit)
+
+
+def check_throughput(ctx: CheckContext, report: Report) -> None:
+    plan = plan_for(ctx)
+    model_dir = ctx.workdir / "throughput"
+    hf_model = build_checkpoint(model_dir, plan.shape, ctx.device.type, plan.dtype)
+    workload = build_workload(plan, int(plan.shape["vocab_size"]))
+    report.figure("model", "Llama-3.2-1B shape, random" if plan.shape is LLAMA_1B else "tiny")
+    report.figure("dtype", str(plan.dtype).replace("torch.", ""))
+    for key, value in (("num_requests", len(workload.prompts)),
+                       ("prompt_tokens", workload.num_prompt_tokens),
+                       ("output_tokens", workload.num_output_tokens),
+                       ("prompt_scale", plan.prompt_scale), ("hf_batch_size", plan.hf_batch_size)):
+        report.figure(key, value)
+    runs = {}
+    for backend in attention_backends():
+        if backend == "triton" and not ctx.is_cuda:
+            report.unavailable("triton", "not timed on CPU: Triton's interpreter is for tests")
+            continue
+        runs[backend] = run_engine(ctx, plan, model_dir, workload, Variant(backend))
+    hf = _run_hf(hf_model, workload, plan.hf_batch_size)
+    del hf_model
+    free_device_memory()
+    report.check("transformers generated every request's tokens",
+                 [len(o) for o in hf.outputs] == workload.max_tokens)
+    report.figure("hf_generate_tokens_per_s", hf.num_output_tokens / hf.wall_s, "output tok/s")
+    _report_runs(ctx, report, runs, workload, hf, plan)
+
+
+def _run_hf(model, workload: bench_engine.Workload, batch_size: int):
+    wrapped = OnDevice(model)
+    bench_engine.hf_generate_batch(wrapped, [[3, 4, 5, 6]], 2)  # warm-up
+    return bench_engine.run_hf_generate(wrapped, workload, batch_size)
+
+
+def _report_runs(ctx, report, runs, workload, hf, plan) -> None:
+    model_config = next(iter(runs.values()))[2]
+    limits = machine_limits(ctx, model_config)
+    report.figure("limit_source", limits[2])
+    bytes_per_param = torch.empty((), dtype=plan.dtype).element_size()
+    cost = bench_engine.ModelCost.of(model_config, bytes_per_param)
+    default = default_backend(ctx.device)
+    headline = default if default in runs else next(iter(runs))
+    for backend, (result, steps, _) in runs.items():
+        prefix = "" if backend == headline else f"{backend}."
+        if backend == headline and len(runs) > 1:
+            report.figure("backend", backend)
+        report_run(report, prefix, result, steps, workload, cost, limits, hf)
