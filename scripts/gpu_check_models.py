@@ -55,7 +55,8 @@ def save_tokenizer(out_dir: Path, vocab_size: int = 300) -> None:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
