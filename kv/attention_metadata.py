@@ -28,7 +28,7 @@ positions and slots are shared.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -91,6 +91,22 @@ def first_key_position(num_computed: int, sliding_window: Optional[int]) -> int:
     return max(0, num_computed - sliding_window + 1)
 
 
+def flat_positions_and_slots(seqs: Sequence[SeqSlice], block_size: int, device: torch.device
+                             ) -> Tuple[List[int], torch.Tensor, torch.Tensor]:
+    """Each sequence's first row in the flat batch, and the ``[T]`` positions and cache slots of
+    the step's new tokens (what every attention backend needs to write K/V and apply RoPE)."""
+    starts, positions, slots = [], [], []
+    offset = 0
+    for seq in seqs:
+        starts.append(offset)
+        offset += seq.query_len
+        pos = range(seq.num_computed, seq.context_len)
+        positions.extend(pos)
+        slots.extend(seq.block_ids[p // block_size] * block_size + p % block_size for p in pos)
+    return (starts, torch.tensor(positions, dtype=torch.long, device=device),
+            torch.tensor(slots, dtype=torch.long, device=device))
+
+
 def build_attention_metadata(
     seqs: Sequence[SeqSlice],
     block_size: int,
@@ -112,16 +128,8 @@ def build_layer_metadata(
     Layers with the same window share one object: a model whose layers all have the same window
     builds its indices once, one mixing full and windowed layers twice. Cost per window: O(T)
     plus the gather indices, O(sum over decodes of the keys they see)."""
-    starts, positions, slots = [], [], []
-    offset = 0
-    for seq in seqs:
-        starts.append(offset)
-        offset += seq.query_len
-        pos = range(seq.num_computed, seq.context_len)
-        positions.extend(pos)
-        slots.extend(seq.block_ids[p // block_size] * block_size + p % block_size for p in pos)
-    positions_t = torch.tensor(positions, dtype=torch.long, device=device)
-    slots_t = torch.tensor(slots, dtype=torch.long, device=device)
+    starts, positions_t, slots_t = flat_positions_and_slots(seqs, block_size, device)
+    num_tokens = len(positions_t)
     # Decodes sorted by context length, in buckets of similar lengths: each bucket pads its
     # gathered K/V only to its own longest context.
     decodes = sorted((i for i, s in enumerate(seqs) if s.query_len == 1),
@@ -129,11 +137,11 @@ def build_layer_metadata(
     groups = [decodes[k:k + DECODE_BUCKET_SIZE] for k in range(0, len(decodes), DECODE_BUCKET_SIZE)]
     by_window = {}
     for window in dict.fromkeys(layer_windows):
-        buckets = [_build_bucket([seqs[i] for i in group], [starts[i] for i in group], offset,
+        buckets = [_build_bucket([seqs[i] for i in group], [starts[i] for i in group], num_tokens,
                                  block_size, device, window) for group in groups]
         prefills = [_build_prefill(seq, start, block_size, device, window)
                     for seq, start in zip(seqs, starts) if seq.query_len > 1]
-        by_window[window] = AttentionMetadata(offset, positions_t, slots_t, buckets, prefills,
+        by_window[window] = AttentionMetadata(num_tokens, positions_t, slots_t, buckets, prefills,
                                               window)
     return [by_window[window] for window in layer_windows]
 
