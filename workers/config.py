@@ -20,6 +20,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: fp32 on CPU, the checkpoint's dtype on CUDA
     device: str = "auto"  # auto: CUDA when available, else CPU
     seed: int = 0  # for requests without a seed of their own
+    attention_backend: str = "auto"  # torch, triton; auto: triton on CUDA, torch on CPU
     # KV tiers below the device pool (per rank): host memory, then local disk.
     host_kv_gb: float = 0.0  # host tier size; 0 and host_kv_blocks None: no host tier
     host_kv_blocks: Optional[int] = None  # host tier in blocks (wins over host_kv_gb)
@@ -52,6 +53,9 @@ class EngineConfig:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError("--attention-backend must be auto, torch or triton, "
+                             f"got {self.attention_backend!r}")
         self._check_tiers()
 
     def _check_tiers(self) -> None:

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from kv.attention_backend import resolve_attention_backend
 from kv.kv_manager import KVUsage
 from kv.tier_ops import TierOpResults
 from parallel.tp_group import TPGroupConfig
@@ -113,8 +114,9 @@ class LLMEngine:
     def _rank_configs(self) -> List[RankConfig]:
         cfg, model = self.config, self.model_config
         use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-        dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if use_cuda else "cpu"),
-                              model.torch_dtype)
+        device = torch.device("cuda" if use_cuda else "cpu")
+        dtype = resolve_dtype(cfg.dtype, device, model.torch_dtype)
+        attention = resolve_attention_backend(cfg.attention_backend, device)
         num_blocks = cfg.num_kv_blocks or default_num_blocks(cfg, model, dtype,
                                                              self.max_model_len)
         self.max_model_len = fit_context_to_pool(cfg, self.max_model_len, num_blocks)
@@ -125,7 +127,8 @@ class LLMEngine:
         return [
             RankConfig(str(self.model_dir), TPGroupConfig(rank, cfg.tp_size, init),
                        f"cuda:{rank}" if use_cuda else "cpu", dtype_name,
-                       num_blocks, cfg.block_size, self.max_model_len, threads, tiers)
+                       num_blocks, cfg.block_size, self.max_model_len, threads, tiers,
+                       attention_backend=attention)
             for rank in range(cfg.tp_size)
         ]
 

@@ -1,8 +1,8 @@
 """Runs one rank's model shard on a step plan: the same code on every rank.
 
 The runner mirrors each sequence's block table and cached length from the plans it has run, builds
-the attention indices, runs the model and, on rank 0, returns the logits of the sequences that
-need sampling.
+the attention metadata (through the model's attention backend), runs the model and, on rank 0,
+returns the logits of the sequences that need sampling.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from kv.attention_metadata import SeqSlice, build_layer_metadata
+from kv.attention_metadata import SeqSlice
 from kv.kv_cache import KVCache
 from workers.models.llama import LlamaForCausalLM
 from workers.step_plan import NewSeqStep, StepPlan
@@ -48,8 +48,8 @@ class ModelRunner:
             self._num_computed[step.seq_id] = num_computed + len(step.token_ids)
             if step.needs_logits:
                 last_rows.append(len(input_ids) - 1)
-        metadata = build_layer_metadata(slices, self.block_size, self.device,
-                                        self.model.config.layer_windows)
+        metadata = self.model.attention.build_metadata(slices, self.block_size, self.device,
+                                                       self.model.config.layer_windows)
         tokens = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(tokens, metadata, self.kv_cache)  # [T, hidden]
         rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)

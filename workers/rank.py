@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from kv.attention_backend import make_attention_backend
 from kv.kv_cache import KVCache, KVCacheSpec
 from kv.tier_ops import TierOpResults
 from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
@@ -41,6 +42,7 @@ class RankConfig:
     max_model_len: int
     num_threads: Optional[int] = None  # CPU threads for this rank's torch ops
     tiers: Optional[RankTierConfig] = None  # host/disk KV tiers
+    attention_backend: str = "torch"  # torch or triton, resolved by the engine
 
 
 @dataclass
@@ -75,7 +77,9 @@ def build_rank(config: RankConfig) -> Rank:
     tp = init_tp_group(config.group, device)
     model_config = load_model_config(Path(config.model_dir))
     dtype = getattr(torch, config.dtype)
-    model = model_class(model_config.architecture)(model_config, tp, dtype, config.max_model_len)
+    attention = make_attention_backend(config.attention_backend)
+    model = model_class(model_config.architecture)(model_config, tp, dtype, config.max_model_len,
+                                                   attention)
     load_weights(model, Path(config.model_dir))
     num_kv_heads = model.model.layers[0].self_attn.qkv_proj.num_local_kv_heads
     spec = KVCacheSpec(model_config.num_layers, config.num_kv_blocks, config.block_size,

@@ -10,9 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kv.attention_metadata import AttentionMetadata
-from kv.kv_cache import KVCache, write_kv
-from kv.paged_attention import paged_attention
+from kv.attention_backend import AttentionBackend, StepMetadata, TorchAttentionBackend
+from kv.kv_cache import KVCache
 from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from parallel.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from parallel.tp_group import TPGroup
@@ -38,8 +37,9 @@ class RMSNorm(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, attention: AttentionBackend) -> None:
         super().__init__()
+        self.attention = attention
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_heads,
                                           config.num_kv_heads, config.qkv_bias, tp, dtype)
         self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size,
@@ -48,7 +48,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
 
-    def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata,
+    def forward(self, hidden: torch.Tensor, metadata: StepMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
@@ -56,8 +56,8 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, -1, self.head_dim)  # [T, Hkv_local, D]
         v = v.view(num_tokens, -1, self.head_dim)
         q, k = self.rotary(metadata.positions, q, k)
-        write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, metadata, self.scale)  # [T, H_local*D]
+        # Writes k/v into the cache, then attends: [T, H_local*D]
+        out = self.attention.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out)
 
 
@@ -76,15 +76,15 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, attention: AttentionBackend) -> None:
         super().__init__()
         eps, device = config.rms_norm_eps, tp.device
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.self_attn = LlamaAttention(config, tp, dtype, rotary)
+        self.self_attn = LlamaAttention(config, tp, dtype, rotary, attention)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.mlp = LlamaMLP(config, tp, dtype)
 
-    def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata,
+    def forward(self, hidden: torch.Tensor, metadata: StepMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), metadata, k_cache, v_cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -92,12 +92,13 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
-                 max_positions: int) -> None:
+                 max_positions: int, attention: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, tp.device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp, dtype, rotary) for _ in range(config.num_layers))
+            LlamaDecoderLayer(config, tp, dtype, rotary, attention)
+            for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, tp.device)
 
 
@@ -114,15 +115,17 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
-                 max_positions: int) -> None:
+                 max_positions: int, attention: Optional[AttentionBackend] = None) -> None:
+        """``attention``: the backend every layer attends with (default: the torch one)."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, tp, dtype, max_positions)
+        self.attention = attention or TorchAttentionBackend()
+        self.model = LlamaModel(config, tp, dtype, max_positions, self.attention)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, metadata: Sequence[AttentionMetadata],
+    def forward(self, input_ids: torch.Tensor, metadata: Sequence[StepMetadata],
                 kv_cache: KVCache) -> torch.Tensor:
         """``metadata[i]`` holds layer i's indices: layers differ by their sliding window."""
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
