@@ -4,6 +4,12 @@ check of the engine in one run that finishes in a few minutes.
     python3 scripts/gpu_check.py --json-out $OUT/gpu_check.json   # CUDA (the point of it)
     python scripts/gpu_check.py --device cpu --quick                # tiny sizes on CPU (the test)
 
+On a lent H200 (10 minutes of device time, the machine's start included), as one call:
+``set -o pipefail; PYTHONUNBUFFERED=1 timeout 450 python3 scripts/gpu_check.py --json-out
+$OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.log`` with a call timeout of 480 s. Sections not
+started within ``--time-budget-s`` (270 s) are skipped, so the JSON comes back even when the
+device is slower than planned; the file is rewritten after every section in case of a kill.
+
 Sections, each in its own module and each reporting its own failure without stopping the rest:
 
 1. greedy_parity (``gpu_check_parity``): engine vs ``transformers`` greedy, TP 1, through ``LLM``
@@ -19,8 +25,7 @@ Sections, each in its own module and each reporting its own failure without stop
    code trace requests: output tok/s, ``ratio_vs_hf_generate``, ``roofline_frac``.
 
 Checkpoints are built on the spot (``gpu_check_models``). Prints a section per check and, last,
-one JSON object (``--json-out`` also writes it to a file after every section, so a run cut short
-leaves what it found). A section not started within ``--time-budget-s`` is skipped and listed.
+one JSON object (``--json-out`` also writes it to a file). A skipped section is listed as such.
 Exit status: 0 when no check failed, 1 when one did, 2 for a usage error (no CUDA device).
 """
 
@@ -64,7 +69,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes (the CPU test run)")
     p.add_argument("--sections", default=",".join(SECTION_NAMES),
                    help=f"comma-separated subset of {','.join(SECTION_NAMES)}")
-    p.add_argument("--time-budget-s", type=float, default=300.0,
+    p.add_argument("--time-budget-s", type=float, default=270.0,
                    help="sections not started by then are skipped (the JSON still comes)")
     p.add_argument("--json-out", type=Path, default=None, help="also write the JSON here")
     p.add_argument("--blocks", type=int, default=None,
