@@ -57,7 +57,9 @@ class AttentionBucket:
     kv_slots: torch.Tensor  # [B, K] slots of the keys from the first visible one; padding
     #                         repeats the sequence's last slot
     mask: torch.Tensor  # [B, 1, max_q, K] True where the query may attend to the key
-    valid: torch.Tensor  # [B * max_q] True for real (unpadded) query rows
+    # [num valid] positions of the real (unpadded) query rows in [B * max_q]: built on the host,
+    # so picking them out is a gather, not a boolean index (which syncs the host on CUDA)
+    valid_rows: torch.Tensor
     token_index: torch.Tensor  # [num valid] rows of the flat batch, in the order of valid rows
 
 
@@ -210,6 +212,6 @@ def _build_bucket(
         query_index=query_index.to(device),
         kv_slots=kv_slots.to(device),
         mask=mask[:, None].to(device),
-        valid=valid.to(device),
+        valid_rows=valid.nonzero()[:, 0].to(device),
         token_index=query_index.reshape(-1)[valid].to(device),
     )

@@ -79,4 +79,4 @@ def _attend_bucket(
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     out = out.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     out = out.reshape(num_seqs * max_q, num_heads * head_dim)  # [B*max_q, H*D]
-    return out[bucket.valid]
+    return out.index_select(0, bucket.valid_rows)
