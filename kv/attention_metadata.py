@@ -32,6 +32,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from kv.host_staging import tensor_on, to_device
+
 
 DECODE_BUCKET_SIZE = 16
 
@@ -105,8 +107,8 @@ def flat_positions_and_slots(seqs: Sequence[SeqSlice], block_size: int, device: 
         pos = range(seq.num_computed, seq.context_len)
         positions.extend(pos)
         slots.extend(seq.block_ids[p // block_size] * block_size + p % block_size for p in pos)
-    return (starts, torch.tensor(positions, dtype=torch.long, device=device),
-            torch.tensor(slots, dtype=torch.long, device=device))
+    return (starts, tensor_on(positions, torch.long, device),
+            tensor_on(slots, torch.long, device))
 
 
 def build_attention_metadata(
@@ -163,8 +165,8 @@ def _build_prefill(seq: SeqSlice, start: int, block_size: int, device: torch.dev
         mask = key_pos[None, :] <= q_pos  # [q, K]
         if windowed:
             mask &= key_pos[None, :] > q_pos - sliding_window
-        mask = mask[None, None].to(device)
-    return PrefillSlice(start, start + seq.query_len, kv_slots.to(device), mask)
+        mask = to_device(mask[None, None], device)
+    return PrefillSlice(start, start + seq.query_len, to_device(kv_slots, device), mask)
 
 
 def _key_slots(seqs: Sequence[SeqSlice], first: torch.Tensor, max_keys: int,
@@ -209,9 +211,9 @@ def _build_bucket(
     mask[:, :, 0] |= ~valid_q  # padding rows look at one key so softmax stays finite
     valid = valid_q.reshape(-1)
     return AttentionBucket(
-        query_index=query_index.to(device),
-        kv_slots=kv_slots.to(device),
-        mask=mask[:, None].to(device),
-        valid_rows=valid.nonzero()[:, 0].to(device),
-        token_index=query_index.reshape(-1)[valid].to(device),
+        query_index=to_device(query_index, device),
+        kv_slots=to_device(kv_slots, device),
+        mask=to_device(mask[:, None], device),
+        valid_rows=to_device(valid.nonzero()[:, 0], device),
+        token_index=to_device(query_index.reshape(-1)[valid], device),
     )

@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from kv.attention_metadata import SeqSlice, first_key_position, flat_positions_and_slots
+from kv.host_staging import tensor_on, to_device
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def _is_fresh(seq: SeqSlice, sliding_window: Optional[int]) -> bool:
 
 
 def _int_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int32, device=device)
+    return tensor_on(list(values), torch.int32, device)
 
 
 def _block_table(seqs: Sequence[SeqSlice], block_size: int) -> torch.Tensor:
@@ -89,7 +90,7 @@ def build_block_table_metadata(
     prefill_ids = [i for i, seq in enumerate(seqs) if seq.query_len > 1]
     shared = dict(
         num_tokens=len(positions), block_size=block_size, positions=positions, slot_mapping=slots,
-        block_table=_block_table(seqs, block_size).to(device),
+        block_table=to_device(_block_table(seqs, block_size), device),
         query_start=_int_tensor(starts, device),
         query_len=_int_tensor((s.query_len for s in seqs), device),
         context_len=_int_tensor((s.context_len for s in seqs), device),

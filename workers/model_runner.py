@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 import torch
 
 from kv.attention_metadata import SeqSlice
+from kv.host_staging import tensor_on
 from kv.kv_cache import KVCache
 from workers.models.llama import LlamaForCausalLM
 from workers.step_plan import NewSeqStep, StepPlan
@@ -50,7 +51,7 @@ class ModelRunner:
                 last_rows.append(len(input_ids) - 1)
         metadata = self.model.attention.build_metadata(slices, self.block_size, self.device,
                                                        self.model.config.layer_windows)
-        tokens = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        tokens = tensor_on(input_ids, torch.long, self.device)
         hidden = self.model(tokens, metadata, self.kv_cache)  # [T, hidden]
-        rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
+        rows = tensor_on(last_rows, torch.long, self.device)
         return self.model.compute_logits(hidden[rows])
