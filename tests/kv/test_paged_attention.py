@@ -5,24 +5,10 @@ import random
 import pytest
 import torch
 
+from attention_reference import dense_reference
 from kv.attention_metadata import SeqSlice, build_attention_metadata
 from kv.kv_cache import write_kv
 from kv.paged_attention import paged_attention
-
-
-def dense_reference(q, k, v, num_computed, window=None):
-    """q [Lq, H, D] for positions num_computed.., k/v [Lctx, Hkv, D]; causal (+ window)."""
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
-    q_pos = torch.arange(q.shape[0])[:, None] + num_computed
-    k_pos = torch.arange(k.shape[0])[None, :]
-    allowed = k_pos <= q_pos
-    if window is not None:
-        allowed &= k_pos > q_pos - window
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
 
 
 MIXED = [(9, 1), (0, 11), (6, 7), (14, 1), (0, 1)]

@@ -22,26 +22,13 @@ from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton")
 
+from attention_reference import dense_reference  # noqa: E402
 from kv import triton_attention  # noqa: E402
 from kv.attention_backend import TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
 from kv.attention_metadata import SeqSlice, first_key_position  # noqa: E402
 from kv.block_table_metadata import build_block_table_metadata  # noqa: E402
 
 CPU = torch.device("cpu")
-
-
-def dense_reference(q, k, v, num_computed, window):
-    """q [Lq, H, D] at positions num_computed.., k/v [Lctx, Hkv, D]; causal (+ window)."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * q.shape[-1] ** -0.5
-    q_pos = torch.arange(q.shape[0])[:, None] + num_computed
-    k_pos = torch.arange(k.shape[0])[None, :]
-    allowed = k_pos <= q_pos
-    if window is not None:
-        allowed &= k_pos > q_pos - window
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
 
 
 class Step:
