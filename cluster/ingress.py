@@ -21,12 +21,11 @@ import time
 import uuid
 from importlib.metadata import PackageNotFoundError, version as package_version
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Type, TypeVar
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
 from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
@@ -45,6 +44,7 @@ from cluster.openai_protocol import (
     ChatFormat,
     CompletionFormat,
     ProtocolError,
+    R,
     error_body,
     models_list,
     parse_request,
@@ -68,7 +68,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 METRICS_STORE_TIMEOUT_S = 2.0
 HEALTH_MAX_REPORT_AGE_S = 5.0  # groups report every second; a group silent this long is gone
-R = TypeVar("R", bound=BaseModel)
 
 
 def _json_object(raw: bytes) -> Dict[str, Any]:

@@ -20,12 +20,10 @@ from typing import (
     Tuple,
     Type,
     TypeVar,
-    Union,
 )
 
 from pydantic import BaseModel, ValidationError
 
-Prompt = Union[str, List[int]]
 R = TypeVar("R", bound=BaseModel)
 
 

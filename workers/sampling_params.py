@@ -82,11 +82,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def has_penalties(self) -> bool:
-        return bool(self.repetition_penalty != 1.0 or self.presence_penalty
-                    or self.frequency_penalty)
-
-    @property
     def processes_logits(self) -> bool:
         """Whether anything changes the logits before greedy or random choice."""
-        return bool(self.has_penalties or self.logit_bias or self.min_tokens)
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty
+                    or self.frequency_penalty or self.logit_bias or self.min_tokens)
