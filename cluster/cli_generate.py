@@ -33,6 +33,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="attention kernels: torch (PyTorch reference) or triton (paged "
                              "kernels; on CPU only under TRITON_INTERPRET=1); auto: triton on "
                              "CUDA, torch on CPU")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs: every decode step launches its kernels (by "
+                             "default decode steps replay CUDA graphs on CUDA with the triton "
+                             "backend)")
     tiers = parser.add_argument_group("KV tiers (per rank)")
     tiers.add_argument("--host-kv-gb", type=float, default=0.0,
                        help="host-memory KV tier in GiB (0: none)")
@@ -58,7 +62,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_cache=not args.no_prefix_cache,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         seed=args.seed if args.seed is not None else 0,
         host_kv_gb=args.host_kv_gb, host_kv_blocks=args.host_kv_blocks,
         disk_kv_dir=args.disk_kv_dir, disk_kv_gb=args.disk_kv_gb,

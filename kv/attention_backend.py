@@ -41,6 +41,9 @@ class AttentionBackend(ABC):
     """Writes and reads the paged KV cache of one rank; one instance serves every layer."""
 
     name: str
+    # True: the model runner keeps block tables on the device (``DeviceBlockTables``) and builds
+    # each step's metadata there (``build_device_step``); False: ``build_metadata`` from lists.
+    reads_block_tables: bool = False
 
     @abstractmethod
     def build_metadata(self, seqs: Sequence[SeqSlice], block_size: int, device: torch.device,
@@ -83,6 +86,7 @@ class TritonAttentionBackend(AttentionBackend):
     (FlashAttention or cuDNN there), the rest through the paged kernels."""
 
     name = "triton"
+    reads_block_tables = True
 
     def __init__(self, sdpa_fresh_prefills: Optional[bool] = None) -> None:
         self._kernels = importlib.import_module("kv.triton_attention")

@@ -15,12 +15,14 @@ also run as plain causal attention on the new K/V. Building costs O(T + the step
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from kv.attention_metadata import SeqSlice, first_key_position, flat_positions_and_slots
+from kv.device_block_tables import DeviceBlockTables
 from kv.host_staging import tensor_on, to_device
 
 
@@ -46,7 +48,7 @@ class BlockTableMetadata:
     sliding_window: Optional[int] = None  # None: full attention
 
 
-def _is_fresh(seq: SeqSlice, sliding_window: Optional[int]) -> bool:
+def _is_fresh(seq: Union[SeqSlice, "DeviceSeq"], sliding_window: Optional[int]) -> bool:
     return seq.num_computed == 0 and (sliding_window is None or seq.context_len <= sliding_window)
 
 
@@ -63,15 +65,19 @@ def _block_table(seqs: Sequence[SeqSlice], block_size: int) -> torch.Tensor:
     return table
 
 
-def _window_fields(seqs: Sequence[SeqSlice], starts: Sequence[int], decode_ids: List[int],
-                   prefill_ids: List[int], sliding_window: Optional[int],
-                   device: torch.device) -> dict:
-    """The fields that depend on the window."""
+def _cached_prefill_ids(seqs: Sequence[Union[SeqSlice, "DeviceSeq"]], prefill_ids: List[int],
+                        sliding_window: Optional[int]) -> List[int]:
+    return [i for i in prefill_ids if not _is_fresh(seqs[i], sliding_window)]
+
+
+def _window_fields(seqs: Sequence[Union[SeqSlice, "DeviceSeq"]], starts: Sequence[int],
+                   decode_ids: List[int], prefill_ids: List[int],
+                   sliding_window: Optional[int]) -> dict:
+    """The host-side fields that depend on the window (all but ``cached_prefill_ids``)."""
     fresh = {i for i in prefill_ids if _is_fresh(seqs[i], sliding_window)}
     decode_keys = (seqs[i].context_len - first_key_position(seqs[i].num_computed, sliding_window)
                    for i in decode_ids)
     return dict(
-        cached_prefill_ids=_int_tensor([i for i in prefill_ids if i not in fresh], device),
         fresh_prefills=tuple((starts[i], starts[i] + seqs[i].query_len) for i in sorted(fresh)),
         max_decode_keys=max(decode_keys, default=0),
         sliding_window=sliding_window)
@@ -98,7 +104,99 @@ def build_block_table_metadata(
         num_decodes=len(decode_ids),
         max_query_len=max((seqs[i].query_len for i in prefill_ids), default=0))
     by_window = {
-        window: BlockTableMetadata(**shared, **_window_fields(seqs, starts, decode_ids,
-                                                              prefill_ids, window, device))
+        window: BlockTableMetadata(
+            **shared, **_window_fields(seqs, starts, decode_ids, prefill_ids, window),
+            cached_prefill_ids=_int_tensor(_cached_prefill_ids(seqs, prefill_ids, window), device))
         for window in dict.fromkeys(layer_windows)}
     return [by_window[window] for window in layer_windows]
+
+
+@dataclass(frozen=True)
+class DeviceSeq:
+    """One sequence of a step whose block table lives in a ``DeviceBlockTables`` row."""
+
+    row: int  # its row of the device tables
+    query_len: int  # new tokens this step
+    num_computed: int  # tokens already in the cache
+
+    @property
+    def context_len(self) -> int:
+        return self.num_computed + self.query_len
+
+
+@dataclass(frozen=True)
+class DeviceStep:
+    """A step's inputs on the device: token ids, the rows to take logits of, each layer's metadata."""
+
+    input_ids: torch.Tensor  # [T] int64
+    logit_rows: torch.Tensor  # [N] int64 rows of the flat batch that are sampled
+    metadata: List[BlockTableMetadata]
+
+
+class _Packed:
+    """Host ints of a step, sent to the device in one copy and read back there as slices."""
+
+    def __init__(self) -> None:
+        self._parts: List[Sequence[int]] = []
+
+    def add(self, values: Sequence[int]) -> int:
+        self._parts.append(values)
+        return len(self._parts) - 1
+
+    def send(self, device: torch.device) -> List[torch.Tensor]:
+        flat = [v for part in self._parts for v in part]
+        sent = tensor_on(flat, torch.int32, device)  # [sum of part lengths]
+        return list(sent.split([len(part) for part in self._parts]))
+
+
+def build_device_step(
+    tables: DeviceBlockTables,
+    seqs: Sequence[DeviceSeq],
+    input_ids: Sequence[int],
+    logit_rows: Sequence[int],
+    block_size: int,
+    layer_windows: Sequence[Optional[int]],
+) -> DeviceStep:
+    """The step's inputs and per-layer metadata, with one host-to-device copy (every int the host
+    knows, packed) and the rest built on the device: context lengths, positions, slot mapping and
+    the step's block table (rows gathered from ``tables``, whose staged diffs must be flushed).
+    The host computes only what the launch needs (counts, maxima, which prefills are fresh)."""
+    device = tables.device
+    starts = list(itertools.accumulate((s.query_len for s in seqs), initial=0))[:-1]
+    decode_ids = [i for i, seq in enumerate(seqs) if seq.query_len == 1]
+    prefill_ids = [i for i, seq in enumerate(seqs) if seq.query_len > 1]
+    windows = list(dict.fromkeys(layer_windows))
+    packed = _Packed()
+    for part in ([s.row for s in seqs], [s.query_len for s in seqs],
+                 [s.num_computed for s in seqs], starts, decode_ids, prefill_ids, input_ids,
+                 logit_rows):
+        packed.add(part)
+    for window in windows:
+        packed.add(_cached_prefill_ids(seqs, prefill_ids, window))
+    (rows, query_len, num_computed, query_start, decode_t, prefill_t, ids_t, logit_t,
+     *cached_t) = packed.send(device)
+
+    num_tokens = len(input_ids)
+    if len(prefill_ids):  # token t belongs to sequence seq_of[t]
+        seq_of = torch.repeat_interleave(torch.arange(len(seqs), device=device), query_len,
+                                         output_size=num_tokens)  # [T]
+    else:
+        seq_of = torch.arange(len(seqs), device=device)  # decodes only: one token each
+    positions = (num_computed[seq_of] + torch.arange(num_tokens, device=device)
+                 - query_start[seq_of]).long()  # [T]
+    num_columns = -(-max(s.context_len for s in seqs) // block_size)
+    block_table = tables.gather(rows.long(), num_columns)  # [B, blocks]
+    slots = (block_table[seq_of, positions // block_size].long() * block_size
+             + positions % block_size)  # [T]
+    shared = dict(
+        num_tokens=num_tokens, block_size=block_size, positions=positions, slot_mapping=slots,
+        block_table=block_table, query_start=query_start, query_len=query_len,
+        context_len=num_computed + query_len, decode_ids=decode_t, prefill_ids=prefill_t,
+        num_decodes=len(decode_ids),
+        max_query_len=max((seqs[i].query_len for i in prefill_ids), default=0))
+    by_window = {}
+    for window, cached in zip(windows, cached_t):
+        by_window[window] = BlockTableMetadata(
+            **shared, **_window_fields(seqs, starts, decode_ids, prefill_ids, window),
+            cached_prefill_ids=cached)
+    return DeviceStep(ids_t.long(), logit_t.long(), [by_window[w] for w in layer_windows])

@@ -8,7 +8,7 @@ views returned by ``layer`` flatten the first two dimensions so a slot indexes a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -37,13 +37,19 @@ class KVCacheSpec:
 
 
 class KVCache:
-    """K and V tensors of all layers, allocated once (one tensor, so one registration/copy)."""
+    """K and V tensors of all layers, allocated once (one tensor, so one registration/copy).
 
-    def __init__(self, spec: KVCacheSpec, device: torch.device) -> None:
+    ``with_scratch_block`` adds one block after the pool's ``num_blocks``, which no sequence ever
+    owns: the padded rows of a fixed-size batch (a CUDA graph's) write their K/V there."""
+
+    def __init__(self, spec: KVCacheSpec, device: torch.device,
+                 with_scratch_block: bool = False) -> None:
         self.spec = spec
+        self.scratch_block: Optional[int] = spec.num_blocks if with_scratch_block else None
+        num_blocks = spec.num_blocks + int(with_scratch_block)
         # [num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]
         self.data = torch.zeros(
-            spec.num_layers, 2, spec.num_blocks * spec.block_size, spec.num_kv_heads,
+            spec.num_layers, 2, num_blocks * spec.block_size, spec.num_kv_heads,
             spec.head_dim, dtype=spec.dtype, device=device,
         )
 

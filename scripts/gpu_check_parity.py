@@ -148,8 +148,15 @@ def _greedy_twice(prompts, max_new: int):
 
     def run(llm: LLM):
         first = [o.output_token_ids for o in llm.generate(prompts, params)]
-        return first, [o.output_token_ids for o in llm.generate(prompts, params)]
+        second = [o.output_token_ids for o in llm.generate(prompts, params)]
+        return first, second, graph_steps(llm)
     return run
+
+
+def graph_steps(llm: LLM) -> int:
+    """Decode steps the engine ran through CUDA graphs (0 when it has none)."""
+    graphs = getattr(llm.engine.rank.runner, "graphs", None)
+    return graphs.num_runs if graphs is not None else 0
 
 
 def check_greedy(ctx: CheckContext, report: Report) -> None:
@@ -163,9 +170,13 @@ def check_greedy(ctx: CheckContext, report: Report) -> None:
         label = f"fp32 {variant.name} equals transformers"
         got = _variant_runs(ctx, report, variant, "float32", _greedy_twice(prompts, max_new),
                             label)
-        if got is not None:
-            report.check(label, got[0] == reference and got[1] == reference,
-                         _mismatch_detail(got, reference))
+        if got is None:
+            continue
+        report.check(label, got[0] == reference and got[1] == reference,
+                     _mismatch_detail(got[:2], reference))
+        if ctx.is_cuda and variant.attention_backend == "triton" and variant.enforce_eager is False:
+            report.check(f"{variant.name} replays decode graphs", got[2] > 0,
+                         f"{got[2]} decode steps through graphs")
     _check_bf16(ctx, report, prompts, max_new)
 
 
@@ -193,7 +204,7 @@ def _check_bf16(ctx: CheckContext, report: Report, prompts, max_new: int) -> Non
                             label)
         if got is None:
             continue
-        drift = token_mismatch(got[0], reference)
+        drift = token_mismatch(got[0], reference)  # got: first pass, second pass, graph steps
         for key, value in drift.items():
             report.figure(f"{label} {key}", value)
         agree = 1.0 - drift["first_token_mismatch_rate"]

@@ -21,6 +21,9 @@ class EngineConfig:
     device: str = "auto"  # auto: CUDA when available, else CPU
     seed: int = 0  # for requests without a seed of their own
     attention_backend: str = "auto"  # torch, triton; auto: triton on CUDA, torch on CPU
+    # True: no CUDA graphs. False: decode steps replay CUDA graphs where they can (CUDA with the
+    # triton backend; elsewhere every step runs eager, said once in the log).
+    enforce_eager: bool = False
     # KV tiers below the device pool (per rank): host memory, then local disk.
     host_kv_gb: float = 0.0  # host tier size; 0 and host_kv_blocks None: no host tier
     host_kv_blocks: Optional[int] = None  # host tier in blocks (wins over host_kv_gb)

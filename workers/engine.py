@@ -128,7 +128,8 @@ class LLMEngine:
             RankConfig(str(self.model_dir), TPGroupConfig(rank, cfg.tp_size, init),
                        f"cuda:{rank}" if use_cuda else "cpu", dtype_name,
                        num_blocks, cfg.block_size, self.max_model_len, threads, tiers,
-                       attention_backend=attention)
+                       attention_backend=attention, cuda_graphs=not cfg.enforce_eager,
+                       max_num_seqs=cfg.max_num_seqs)
             for rank in range(cfg.tp_size)
         ]
 

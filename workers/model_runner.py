@@ -3,29 +3,61 @@
 The runner mirrors each sequence's block table and cached length from the plans it has run, builds
 the attention metadata (through the model's attention backend), runs the model and, on rank 0,
 returns the logits of the sequences that need sampling.
+
+Two ways to build a step's inputs, chosen by the backend:
+
+- from host lists (the torch backend): the runner keeps each block table as a Python list and the
+  backend builds padded gather indices from them;
+- on the device (backends that read block tables, the triton one): the tables live on the device
+  (``DeviceBlockTables``) and change by each plan's diffs; a step sends its ints in one copy and
+  builds positions, slots and context lengths there (``build_device_step``). Decode-only steps
+  may then replay a CUDA graph (``DecodeGraphs``) instead of launching every kernel.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import logging
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from kv.attention_metadata import SeqSlice
+from kv.block_table_metadata import DeviceSeq, build_device_step
+from kv.device_block_tables import DeviceBlockTables
 from kv.host_staging import tensor_on
 from kv.kv_cache import KVCache
+from workers.cuda_graphs import DecodeGraphs
 from workers.models.llama import LlamaForCausalLM
 from workers.step_plan import NewSeqStep, StepPlan
 
+logger = logging.getLogger(__name__)
+
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device) -> None:
+    """``max_model_len`` sizes the device block tables; ``cuda_graphs`` asks for decode graphs
+    (used on CUDA with a backend that reads block tables, else refused in the log once)."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
+                 max_model_len: Optional[int] = None, cuda_graphs: bool = False,
+                 max_graph_batch: int = 256) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.spec.block_size
-        self._block_tables: Dict[int, List[int]] = {}
+        self._block_tables: Dict[int, List[int]] = {}  # host mirrors (backends without tables)
         self._num_computed: Dict[int, int] = {}
+        self.tables: Optional[DeviceBlockTables] = None
+        self.graphs: Optional[DecodeGraphs] = None
+        if model.attention.reads_block_tables:
+            max_len = max_model_len or model.config.max_position_embeddings
+            self.tables = DeviceBlockTables(-(-max_len // self.block_size), device,
+                                            padding_block=kv_cache.scratch_block or 0)
+            if cuda_graphs:
+                self.graphs = DecodeGraphs.create(model, kv_cache, self.tables, max_len,
+                                                  max_graph_batch)
+        elif cuda_graphs and device.type == "cuda":
+            logger.info("CUDA graphs need the triton attention backend; the %s backend runs "
+                        "eager", model.attention.name)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> Optional[torch.Tensor]:
@@ -33,8 +65,17 @@ class ModelRunner:
         for seq_id in plan.freed_ids:
             self._block_tables.pop(seq_id, None)
             self._num_computed.pop(seq_id, None)
+            if self.tables is not None:
+                self.tables.free(seq_id)
         if not plan.seqs:
             return None
+        if self.tables is None:
+            hidden, rows = self._run_from_lists(plan)
+        else:
+            hidden, rows = self._run_from_tables(plan)
+        return self.model.compute_logits(hidden if rows is None else hidden[rows])
+
+    def _run_from_lists(self, plan: StepPlan) -> Tuple[torch.Tensor, torch.Tensor]:
         slices, input_ids, last_rows = [], [], []
         for step in plan.seqs:
             if isinstance(step, NewSeqStep):
@@ -53,5 +94,30 @@ class ModelRunner:
                                                        self.model.config.layer_windows)
         tokens = tensor_on(input_ids, torch.long, self.device)
         hidden = self.model(tokens, metadata, self.kv_cache)  # [T, hidden]
-        rows = tensor_on(last_rows, torch.long, self.device)
-        return self.model.compute_logits(hidden[rows])
+        return hidden, tensor_on(last_rows, torch.long, self.device)
+
+    def _run_from_tables(self, plan: StepPlan) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        assert self.tables is not None
+        seqs, input_ids, last_rows = [], [], []
+        for step in plan.seqs:
+            if isinstance(step, NewSeqStep):
+                self.tables.add(step.seq_id, step.block_ids)
+                self._num_computed[step.seq_id] = step.num_computed
+            else:
+                self.tables.extend(step.seq_id, step.new_block_ids)
+            num_computed = self._num_computed[step.seq_id]
+            seqs.append(DeviceSeq(self.tables.row_of(step.seq_id), len(step.token_ids),
+                                  num_computed))
+            input_ids.extend(step.token_ids)
+            self._num_computed[step.seq_id] = num_computed + len(step.token_ids)
+            if step.needs_logits:
+                last_rows.append(len(input_ids) - 1)
+        self.tables.flush()
+        if self.graphs is not None and self.graphs.can_run(seqs):
+            hidden = self.graphs.run(seqs, input_ids)  # [B, hidden], one row per decode
+            if len(last_rows) == len(seqs):
+                return hidden, None  # every row samples: no gather
+            return hidden, tensor_on(last_rows, torch.long, self.device)
+        step = build_device_step(self.tables, seqs, input_ids, last_rows, self.block_size,
+                                 self.model.config.layer_windows)
+        return self.model(step.input_ids, step.metadata, self.kv_cache), step.logit_rows

@@ -43,6 +43,8 @@ class RankConfig:
     num_threads: Optional[int] = None  # CPU threads for this rank's torch ops
     tiers: Optional[RankTierConfig] = None  # host/disk KV tiers
     attention_backend: str = "torch"  # torch or triton, resolved by the engine
+    cuda_graphs: bool = False  # decode steps through CUDA graphs (CUDA, triton backend)
+    max_num_seqs: int = 256  # the largest decode batch a graph is captured for
 
 
 @dataclass
@@ -84,8 +86,10 @@ def build_rank(config: RankConfig) -> Rank:
     num_kv_heads = model.model.layers[0].self_attn.qkv_proj.num_local_kv_heads
     spec = KVCacheSpec(model_config.num_layers, config.num_kv_blocks, config.block_size,
                        num_kv_heads, model_config.head_dim, dtype)
-    kv_cache = KVCache(spec, device)
-    runner = ModelRunner(model, kv_cache, device)
+    # Backends that read block tables may pad a batch (CUDA graphs): padded rows need a block.
+    kv_cache = KVCache(spec, device, with_scratch_block=attention.reads_block_tables)
+    runner = ModelRunner(model, kv_cache, device, config.max_model_len, config.cuda_graphs,
+                         config.max_num_seqs)
     tiers = None
     if config.tiers is not None:
         # A transfer may keep a step waiting as long as a collective may, and no longer.

@@ -1,0 +1,86 @@
+"""Decode steps through the static, padded buffers of ``DecodeGraphs``.
+
+On CPU the graphs cannot be captured; ``capture=False`` runs the very forward a graph would
+capture (the padding rows, the scratch block, the metadata built on the device from static
+buffers), under Triton's interpreter, and the engine's greedy ids must still equal
+``transformers``. Capture and replay themselves run in ``scripts/gpu_check.py`` on a GPU."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the triton kernels are decorated
+
+import importlib.util  # noqa: E402
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tiny_models import hf_greedy  # noqa: E402
+from workers.config import EngineConfig  # noqa: E402
+from workers.cuda_graphs import DecodeGraphs, graph_batch_sizes  # noqa: E402
+from workers.llm import LLM  # noqa: E402
+from workers.sampling_params import SamplingParams  # noqa: E402
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed")
+PROMPTS = [[5, 17, 40, 2, 9, 33], [7] * 13, [100, 3], [250, 251, 252, 253, 254], [11, 12, 13]]
+MAX_NEW = 7
+
+
+def test_batch_sizes_pad_by_at_most_seven():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(6) == [1, 2, 4, 6]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+
+
+def engine(model_dir, **kwargs):
+    return LLM(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=96,
+                            attention_backend="triton", **kwargs))
+
+
+@needs_triton
+def test_padded_static_decodes_match_transformers(tiny_llama):
+    """5 sequences pad to a batch of 8, then fewer as they finish at different lengths; the
+    padded rows write into the scratch block and never disturb a real block."""
+    reference = hf_greedy(tiny_llama, PROMPTS, MAX_NEW)
+    params = [SamplingParams(max_tokens=MAX_NEW - i % 3, temperature=0.0)
+              for i in range(len(PROMPTS))]
+    with engine(tiny_llama) as llm:
+        runner = llm.engine.rank.runner
+        assert runner.kv_cache.scratch_block == 96
+        runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.tables,
+                                     max_model_len=256, max_batch=8, capture=False)
+        outputs = llm.generate(PROMPTS, params)
+        assert runner.graphs.num_runs >= MAX_NEW - 3  # the decode steps took the static path
+    for out, want, p in zip(outputs, reference, params):
+        assert out.output_token_ids == want[:p.max_tokens]
+
+
+@needs_triton
+def test_graphs_are_off_on_cpu_and_with_enforce_eager(tiny_llama, caplog):
+    with caplog.at_level(logging.INFO, logger="workers.cuda_graphs"), engine(tiny_llama) as llm:
+        assert llm.engine.rank.runner.graphs is None
+    assert "CUDA graphs run on CUDA only" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="workers.cuda_graphs"), \
+            engine(tiny_llama, enforce_eager=True) as llm:
+        assert llm.engine.rank.runner.graphs is None
+    assert "CUDA graphs" not in caplog.text  # not asked for: nothing to say
+
+
+def test_the_torch_backend_keeps_its_host_lists(tiny_llama):
+    with LLM(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=32,
+                          attention_backend="torch")) as llm:
+        runner = llm.engine.rank.runner
+        assert runner.tables is None and runner.graphs is None
+        assert runner.kv_cache.scratch_block is None
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_enforce_eager_reaches_the_engine_config(command):
+    from cluster.cli import build_parser
+    from cluster.cli_generate import engine_config
+
+    parser = build_parser()
+    assert engine_config(parser.parse_args(command + ["--enforce-eager"])).enforce_eager is True
+    assert engine_config(parser.parse_args(command)).enforce_eager is False

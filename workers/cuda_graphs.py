@@ -1,0 +1,146 @@
+"""CUDA graphs of decode-only steps: one graph per padded batch size, replayed instead of launching
+every kernel of every layer (hundreds of launches per step, which a small model's decode cannot
+hide behind the GPU's work).
+
+A graph replays fixed addresses and shapes, so a decode step goes through static buffers:
+
+    static (device)   input_ids [max_B]   rows [max_B]   num_computed [max_B]
+    a step of B decodes fills the first B entries and pads up to the graph's size S >= B:
+      padded rows     input id 0, the tables' padding row (the KV cache's scratch block),
+                      0 tokens computed: they write one K/V row into the scratch block and attend
+                      to it alone; their outputs are never read
+
+Inside the graph everything else is built on the device from those buffers: the block table
+(``DeviceBlockTables`` rows gathered, every column), positions, slots and context lengths. The
+decode kernel's split count is fixed per size from the longest context the model allows, so the
+launch never depends on the step. The all-reduces of a TP group are captured too (NCCL); the
+all-reduce timing events are not recorded while capturing.
+
+Graphs are captured lazily, the first time a size is needed (the ranks of a group run the same
+plans, so they capture the same sizes in the same order), after a warm-up run of the same step on
+a side stream. They are dropped when the device block tables are reallocated (``version``).
+Constructed with ``capture=False``, ``run`` executes the same static-buffer forward eagerly: how
+the padding and the static metadata are tested on CPU (under Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from kv.block_table_metadata import BlockTableMetadata, DeviceSeq
+from kv.device_block_tables import PADDING_ROW, DeviceBlockTables
+from kv.host_staging import to_device
+from kv.kv_cache import KVCache
+from workers.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_batch: int) -> List[int]:
+    """Padded batch sizes with a graph: 1, 2, 4, then every multiple of 8 up to ``max_batch``
+    (a step pads to the next one: at most 7 wasted rows)."""
+    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8))
+    return sizes + [max_batch]
+
+
+class DecodeGraphs:
+    """Decode-only steps of up to ``max_batch`` sequences through captured graphs."""
+
+    @classmethod
+    def create(cls, model: LlamaForCausalLM, kv_cache: KVCache, tables: DeviceBlockTables,
+               max_model_len: int, max_batch: int) -> Optional["DecodeGraphs"]:
+        """Graphs on CUDA; None (with a log line) elsewhere."""
+        if kv_cache.data.device.type != "cuda":
+            logger.info("CUDA graphs run on CUDA only: decode steps on %s run eager",
+                        kv_cache.data.device.type)
+            return None
+        return cls(model, kv_cache, tables, max_model_len, max_batch, capture=True)
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, tables: DeviceBlockTables,
+                 max_model_len: int, max_batch: int, capture: bool) -> None:
+        if kv_cache.scratch_block is None:
+            raise ValueError("decode graphs need a KV cache with a scratch block for padded rows")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        device = kv_cache.data.device
+        self.model, self.kv_cache, self.tables = model, kv_cache, tables
+        self.max_model_len = max_model_len
+        self.sizes = graph_batch_sizes(max_batch)
+        self.capture = capture
+        self._static = torch.zeros(3, max_batch, dtype=torch.long, device=device)
+        self._arange = torch.arange(max_batch, dtype=torch.int32, device=device)
+        self._ones = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self._none = torch.zeros(0, dtype=torch.int32, device=device)
+        self._graphs: Dict[int, Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self._tables_version = tables.version
+        self.num_runs = 0  # steps run through the static buffers (replayed or eager)
+
+    def can_run(self, seqs: Sequence[DeviceSeq]) -> bool:
+        return 0 < len(seqs) <= self.sizes[-1] and all(s.query_len == 1 for s in seqs)
+
+    def run(self, seqs: Sequence[DeviceSeq], input_ids: Sequence[int]) -> torch.Tensor:
+        """Hidden states ``[B, hidden]`` of a decode-only step (``can_run``), one row per seq."""
+        size = self.sizes[bisect.bisect_left(self.sizes, len(seqs))]
+        self._stage(seqs, input_ids, size)
+        self.num_runs += 1
+        if not self.capture:
+            return self._forward(size)[:len(seqs)]
+        if self.tables.version != self._tables_version:  # the graphs read a freed tensor
+            self._graphs.clear()
+            self._tables_version = self.tables.version
+        if size not in self._graphs:
+            self._graphs[size] = self._capture(size)
+        graph, hidden = self._graphs[size]
+        graph.replay()
+        return hidden[:len(seqs)]
+
+    def _stage(self, seqs: Sequence[DeviceSeq], input_ids: Sequence[int], size: int) -> None:
+        """One host-to-device copy of the step's ids, rows and cached lengths, padded."""
+        padding = size - len(seqs)
+        host = torch.tensor([list(input_ids) + [0] * padding,
+                             [s.row for s in seqs] + [PADDING_ROW] * padding,
+                             [s.num_computed for s in seqs] + [0] * padding],
+                            dtype=torch.long)  # [3, size]
+        self._static[:, :size].copy_(to_device(host, self._static.device), non_blocking=True)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """The model over the first ``size`` static rows; everything it reads is static."""
+        input_ids, rows, positions = self._static[:, :size]  # [S] each
+        block_table = self.tables.gather(rows)  # [S, max_blocks]
+        block_size = self.kv_cache.spec.block_size
+        slots = (block_table.gather(1, (positions // block_size)[:, None])[:, 0].long()
+                 * block_size + positions % block_size)  # [S]
+        context_len = (positions + 1).to(torch.int32)
+        by_window = {}
+        for window in dict.fromkeys(self.model.config.layer_windows):
+            by_window[window] = BlockTableMetadata(
+                num_tokens=size, block_size=block_size, positions=positions, slot_mapping=slots,
+                block_table=block_table, query_start=self._arange[:size],
+                query_len=self._ones[:size], context_len=context_len,
+                decode_ids=self._arange[:size], prefill_ids=self._none,
+                cached_prefill_ids=self._none, fresh_prefills=(), num_decodes=size,
+                max_decode_keys=min(window or self.max_model_len, self.max_model_len),
+                max_query_len=0, sliding_window=window)
+        metadata = [by_window[w] for w in self.model.config.layer_windows]
+        return self.model(input_ids, metadata, self.kv_cache)  # [S, hidden]
+
+    def _capture(self, size: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm-up on a side stream (compiles the kernels, sets up cuBLAS): it runs the staged
+        # step itself, and the replay that follows writes the same K/V again.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._forward(size)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the KV tiers' copy thread may use CUDA while this thread captures.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            hidden = self._forward(size)
+        self._pool = graph.pool()
+        logger.info("captured the decode graph for %d sequences", size)
+        return graph, hidden
