@@ -17,8 +17,9 @@ at most one block and that block's stored tokens are the ones the hash was made 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from kv.eviction import EvictionPolicy, LRUPolicy
@@ -55,7 +56,9 @@ class BlockPool:
         self._empty: List[Block] = list(reversed(self.blocks))  # pop() hands out low ids first
         self.policy = policy if policy is not None else LRUPolicy()
         self.enable_prefix_cache = enable_prefix_cache
-        self._cached: Dict[BlockHash, Block] = {}
+        # By recency of use (a hit moves a hash to the end), so a report of the latest hashes
+        # keeps a hot prefix however long ago it was first cached.
+        self._cached: "OrderedDict[BlockHash, Block]" = OrderedDict()
         self.num_evicted = 0
         self.num_held_evicted = 0  # hot (held) cached blocks, evicted as a last resort
 
@@ -119,6 +122,8 @@ class BlockPool:
         if block.ref_count == 0:
             assert block.block_hash is not None, f"touched free block {block.block_id} is not cached"
             self.policy.remove(block.block_hash)
+        if block.block_hash is not None:
+            self._cached.move_to_end(block.block_hash)
         block.ref_count += 1
 
     def cache(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
@@ -132,7 +137,8 @@ class BlockPool:
         self._cached[block_hash] = block
 
     def cached_hashes(self, limit: int) -> List[BlockHash]:
-        """Up to ``limit`` hashes in the prefix cache, most recently cached first. O(limit)."""
+        """Up to ``limit`` hashes in the prefix cache, most recently cached or hit first.
+        O(limit)."""
         return list(itertools.islice(reversed(self._cached), limit))
 
     def _take_victim(self) -> Block:

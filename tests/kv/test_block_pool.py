@@ -6,6 +6,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kv.block_pool import BlockPool
+from kv.prefix_hash import BlockHash
 from kv.eviction import HotnessPolicy, HotnessTracker
 from kv.prefix_hash import extend_block_hashes, hash_block
 
@@ -161,3 +162,17 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_a_hit_refreshes_a_hash_in_the_report():
+    """The router sees the most recently *used* hashes: a hot prefix cached long ago and hit
+    since stays in a short report (it aged out when the report went by insertion)."""
+    pool = BlockPool(8)
+    blocks = pool.allocate(5)
+    for i, block in enumerate(blocks):
+        pool.cache(block, BlockHash(100 + i), [i])
+    pool.free(list(reversed(blocks)))
+    assert pool.cached_hashes(2) == [104, 103]
+    hot = pool.lookup(BlockHash(100), [0])
+    pool.touch(hot)  # a hit on the oldest block
+    assert pool.cached_hashes(2) == [100, 104]
