@@ -64,7 +64,8 @@ class TPGroupServer:
                        block_hashes: Sequence[int] = ()) -> AsyncIterator[dict]:
         """Stream a request's chunks (``num_tokens``/``block_hashes`` are for the router)."""
         # aclosing: a cancelled call aborts the engine request now, not at garbage collection.
-        async with contextlib.aclosing(stream_chunks(self.engine, payload)) as chunks:
+        chunks = stream_chunks(self.engine, payload, routing_id=serve_routing_id())
+        async with contextlib.aclosing(chunks) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -78,6 +79,7 @@ class TPGroupServer:
             "block_size": load.kv.block_size,
             "waiting_tokens": load.num_waiting_tokens,
             "cached_block_hashes": list(load.cached_block_hashes),
+            "accepted_ids": list(load.accepted_ids),
         }
 
     def record_autoscaling_stats(self) -> Dict[str, float]:
@@ -107,6 +109,13 @@ class TPGroupServer:
         engine: Optional[AsyncLLMEngine] = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def serve_routing_id() -> str:
+    """The id the KV-aware router charged the current request under: Serve's internal request
+    id, which the router sees as ``pending_request.metadata.internal_request_id`` and the
+    replica in its request context ("" outside a request)."""
+    return serve.context._get_serve_request_context()._internal_request_id
 
 
 def group_metrics_snapshot(engine: AsyncLLMEngine) -> Dict:

@@ -14,7 +14,7 @@ the handle, so the ingress needs no engine types.
 from __future__ import annotations
 
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Dict, List, Mapping
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional
 
 from workers.async_engine import AsyncLLMEngine
 from workers.engine import RequestOutput
@@ -53,15 +53,16 @@ def output_chunk(out: RequestOutput, want_logprobs: bool) -> Dict[str, Any]:
     }
 
 
-async def stream_chunks(engine: AsyncLLMEngine, payload: Mapping[str, Any]
-                        ) -> AsyncIterator[Dict[str, Any]]:
+async def stream_chunks(engine: AsyncLLMEngine, payload: Mapping[str, Any],
+                        routing_id: Optional[str] = None) -> AsyncIterator[Dict[str, Any]]:
     """Run one request on ``engine`` and stream its chunks.
 
     Closing or cancelling the iteration (the caller's handle call was cancelled: the client went
     away) closes the engine stream at once, which aborts the request and frees its blocks."""
     params = sampling_params(payload["sampling"])
     want_logprobs = params.logprobs is not None
-    outputs = engine.generate(list(payload["prompt_token_ids"]), params, payload["request_id"])
+    outputs = engine.generate(list(payload["prompt_token_ids"]), params, payload["request_id"],
+                              routing_id=routing_id)
     async with aclosing(outputs):
         async for out in outputs:
             yield output_chunk(out, want_logprobs)

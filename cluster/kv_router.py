@@ -10,22 +10,25 @@
 The keyword arguments reach the replica's method too, so the group deployment's ``generate``
 accepts ``num_tokens``, ``block_hashes`` and ``block_size``. Its ``record_routing_stats()`` returns
 
-    {"seq": int, "time": float (time.time() when taken), "kv_blocks_used": int,
+    {"seq": int, "time": float (the group's clock, for people only), "kv_blocks_used": int,
      "kv_blocks_total": int, "block_size": int, "waiting_tokens": int,
-     "cached_block_hashes": list[int]}
+     "cached_block_hashes": list[int] (most recently used first),
+     "accepted_ids": list[str] (Serve's internal ids of the requests accepted lately)}
 
-where ``kv_blocks_used`` and ``waiting_tokens`` cover every request the replica accepted before
-``time``. The controller polls it every ``request_routing_stats_period_s`` and pushes it to the
-routers when it changes, so a report is up to about two periods old when read.
+where ``kv_blocks_used`` and ``waiting_tokens`` cover every request in ``accepted_ids`` (also one
+still queued for the engine). The controller polls it every ``request_routing_stats_period_s``
+and pushes it to the routers when it changes, so a report is up to about two periods old when
+read.
 
-Sent-token accounting: a charge carries the time the replica accepted the request. When a report
-with a new ``seq`` arrives, the charges older than the report's ``time`` are in the report and are
-dropped; the rest stay counted. (Resetting the count on each new report would forget the requests
-sent while the report was in transit, about half a period of traffic.) A charge for a request
-cancelled while routing goes the same way, one report later. Times are compared across hosts, so
-this assumes clocks in step (NTP). Acceptance is only seen through Serve's rejection protocol (on
-unless the caller is a Ray Client or Java): without it charges stay on the first choice and no
-reasons are counted.
+Sent-token accounting: a charge is keyed by the request's internal id. When a report with a new
+``seq`` arrives, the charges of the requests it lists are in its numbers and are dropped; the rest
+stay counted. (Resetting the count on each new report would forget the requests sent while the
+report was in transit, about half a period of traffic.) A charge no report ever lists (a request
+cancelled while routing) expires ``charge_ttl_s`` after it was made. No clock of another host is
+read: a report's age is the time since this router received it (a new ``seq``), and charge times
+are this router's. Acceptance is only seen through Serve's rejection protocol (on unless the
+caller is a Ray Client or Java): without it charges stay on the first choice and no reasons are
+counted.
 
 Replicas without a usable report (just started, or a malformed report, which is logged once)
 rank last, together, so Serve picks among them by queue length: a new group gets traffic once it
@@ -92,6 +95,7 @@ REPORT_KEYS = (
     "block_size",
     "waiting_tokens",
     "cached_block_hashes",
+    "accepted_ids",
 )
 # A cached GroupLoad is rebuilt when its report age is this much out of date (or when a report or
 # a charge changes it). The age only decides staleness against limits of seconds; rebuilding all
@@ -128,13 +132,15 @@ def kv_aware_router_config(
     num_decision_times: int = 4096,
 ) -> RequestRouterConfig:
     """The ``request_router_config`` of a group deployment, validated here rather than in the
-    first caller. ``max_report_age_s`` defaults to the larger of 5 s and ten stats periods;
-    ``block_size`` is the one the callers' ``block_hashes`` use (by default, the groups')."""
+    first caller. ``max_report_age_s`` defaults to the larger of 5 s and ten stats periods, and
+    a charge no report lists expires after twice that; ``block_size`` is the one the callers'
+    ``block_hashes`` use (by default, the groups')."""
     if max_report_age_s is None:
         max_report_age_s = max(DEFAULT_MAX_REPORT_AGE_S, 10 * stats_period_s)
     kwargs: Dict[str, Any] = dict(
         target_occupancy=target_occupancy,
         max_report_age_s=max_report_age_s,
+        charge_ttl_s=2 * max_report_age_s,
         block_size=block_size,
         num_decision_times=num_decision_times,
     )
@@ -153,6 +159,7 @@ class _RouterSettings:
 
     target_occupancy: float = DEFAULT_TARGET_OCCUPANCY
     max_report_age_s: float = DEFAULT_MAX_REPORT_AGE_S
+    charge_ttl_s: float = 2 * DEFAULT_MAX_REPORT_AGE_S
     block_size: Optional[int] = None
     num_decision_times: int = 4096
 
@@ -164,6 +171,8 @@ class _RouterSettings:
             )
         if not self.max_report_age_s > 0:
             raise ValueError(f"max_report_age_s must be positive, got {self.max_report_age_s}")
+        if not self.charge_ttl_s > 0:
+            raise ValueError(f"charge_ttl_s must be positive, got {self.charge_ttl_s}")
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_decision_times < 1:
@@ -181,6 +190,7 @@ class LoadReport:
     block_size: int
     num_waiting_tokens: int
     cached_block_hashes: FrozenSet[BlockHash]
+    accepted_ids: FrozenSet[str]
 
 
 def parse_report(stats: Mapping[str, Any]) -> LoadReport:
@@ -194,6 +204,10 @@ def parse_report(stats: Mapping[str, Any]) -> LoadReport:
             raise ValueError(f"routing stats {key!r} must be an int, got {stats[key]!r}")
     if not isinstance(stats["time"], (int, float)):
         raise ValueError(f"routing stats 'time' must be a number, got {stats['time']!r}")
+    accepted = stats["accepted_ids"]
+    if not isinstance(accepted, (list, tuple)) or not all(isinstance(i, str) for i in accepted):
+        raise ValueError(f"routing stats 'accepted_ids' must be a list of request ids, "
+                         f"got {accepted!r:.80}")
     return LoadReport(
         seq=stats["seq"],
         time=float(stats["time"]),
@@ -202,19 +216,23 @@ def parse_report(stats: Mapping[str, Any]) -> LoadReport:
         block_size=stats["block_size"],
         num_waiting_tokens=stats["waiting_tokens"],
         cached_block_hashes=frozenset(stats["cached_block_hashes"]),
+        accepted_ids=frozenset(accepted),
     )
 
 
 class ReplicaLoadTracker:
     """One replica's load as this router knows it: its last report plus what was sent since.
 
-    No Ray in here: ``observe`` takes the stats dict and the time, so it is tested on plain
-    inputs. Costs: O(hashes) once per new report, O(1) amortized per decision and per charge.
+    No Ray in here: ``observe`` takes the stats dict and this router's time, so it is tested on
+    plain inputs. Costs: O(hashes + listed ids) once per new report, O(1) amortized per decision
+    and per charge.
     """
 
-    def __init__(self, group_id: str) -> None:
+    def __init__(self, group_id: str, charge_ttl_s: float = 2 * DEFAULT_MAX_REPORT_AGE_S) -> None:
         self.group_id = group_id
+        self.charge_ttl_s = charge_ttl_s
         self._report: Optional[LoadReport] = None
+        self._received_at = 0.0  # this router's time when the report's seq was first seen
         self._stats: Optional[Mapping[str, Any]] = None  # the stats dict last looked at
         # (seq,) of the last report taken or refused (a refused one is logged once).
         self._seen: Optional[Tuple[Any]] = None
@@ -269,10 +287,13 @@ class ReplicaLoadTracker:
             logger.warning("ignoring routing stats of replica %s: %s", self.group_id, e)
             return
         self._report = report
-        # Charges made before the report was taken are in it now. Charges that never turned
-        # into requests (cancelled while routing) go the same way, one report later.
+        self._received_at = now
+        # The requests the report lists are in its numbers now.
+        for request_id in report.accepted_ids:
+            self.release(request_id)
+        # Charges no report listed in time never became requests here (cancelled while routing).
         charges = self._charges
-        while charges and next(iter(charges.values()))[0] < report.time:
+        while charges and next(iter(charges.values()))[0] < now - self.charge_ttl_s:
             self.num_tokens_sent -= charges.popitem(last=False)[1][1]
         self._load = None
 
@@ -285,7 +306,7 @@ class ReplicaLoadTracker:
             num_waiting_tokens=report.num_waiting_tokens,
             cached_block_hashes=report.cached_block_hashes,
             report_seq=report.seq,
-            report_age_s=max(0.0, now - report.time),
+            report_age_s=max(0.0, now - self._received_at),
             num_tokens_sent_since_report=self.num_tokens_sent,
         )
 
@@ -468,7 +489,8 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         group_id = replica_id.unique_id
         tracker = self._trackers.get(group_id)
         if tracker is None:
-            tracker = self._trackers[group_id] = ReplicaLoadTracker(group_id)
+            tracker = self._trackers[group_id] = ReplicaLoadTracker(
+                group_id, self._settings.charge_ttl_s)
         return tracker
 
     def _drop_pending(self, request_id: str) -> None:

@@ -10,13 +10,14 @@ reports itself dead, so its host can replace it; nothing waits forever.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import AsyncIterator, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from kv.kv_manager import KVUsage
 from workers.engine import LLMEngine, RequestOutput
@@ -40,19 +41,31 @@ class EngineLoad:
     kv: KVUsage
     num_running: int
     num_waiting: int
-    num_waiting_tokens: int
-    cached_block_hashes: Tuple[int, ...]
+    num_waiting_tokens: int  # prompt tokens not yet computed, queued requests included
+    cached_block_hashes: Tuple[int, ...]  # most recently used first
+    accepted_ids: Tuple[str, ...] = ()  # routing ids accepted lately, all counted above
 
 
 _Command = Tuple[str, tuple, Optional[Future]]
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine_factory: Callable[[], LLMEngine], max_cached_hashes: int = 4096
-                 ) -> None:
+    """``load`` is what the router reads: every request ``generate`` has accepted is in it, in
+    the scheduler's counts or, still queued for the engine thread, in ``num_waiting_tokens``,
+    and its ``routing_id`` is listed in ``accepted_ids`` for ``accepted_window_s`` (at most
+    ``max_accepted_ids``), so a router knows which of its charges a report already holds."""
+
+    def __init__(self, engine_factory: Callable[[], LLMEngine], max_cached_hashes: int = 4096,
+                 accepted_window_s: float = 5.0, max_accepted_ids: int = 4096) -> None:
         """Builds the engine on the calling thread (so load errors raise here), then starts."""
         self.engine = engine_factory()
         self._max_cached_hashes = max_cached_hashes
+        self._accepted_window_s = accepted_window_s
+        # Requests accepted but not yet applied by the engine thread, and recent routing ids;
+        # the lock makes a snapshot see a request either queued or in the scheduler.
+        self._ledger_lock = threading.Lock()
+        self._queued_tokens = 0
+        self._accepted: Deque[Tuple[float, str]] = collections.deque(maxlen=max_accepted_ids)
         self._commands: "queue.Queue[_Command]" = queue.Queue()
         self._streams: Dict[str, Tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._error: Optional[BaseException] = None
@@ -70,17 +83,23 @@ class AsyncLLMEngine:
     def error(self) -> Optional[BaseException]:
         return self._error
 
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                       routing_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (of all its ``n`` choices, each tagged with its
-        ``index``); cancelling the iteration aborts the request."""
+        ``index``); cancelling the iteration aborts the request. ``routing_id``: the id the
+        router charged the request under (listed in ``load.accepted_ids``)."""
         if not self.is_alive:
             raise EngineDeadError(f"engine is not running: {self._error}")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, outputs)
         added: Future = Future()
-        self._commands.put(("add", (prompt, params, request_id), added))
+        num_tokens = 0 if isinstance(prompt, str) else len(prompt)
+        with self._ledger_lock:
+            self._queued_tokens += num_tokens
+            if routing_id:
+                self._accepted.append((time.monotonic(), routing_id))
+            self._commands.put(("add", (prompt, params, request_id, num_tokens), added))
         num_unfinished = params.n  # the stream ends when every choice has finished
         try:
             await asyncio.wrap_future(added)  # raises ValueError on bad input
@@ -136,9 +155,11 @@ class AsyncLLMEngine:
             try:
                 self.engine.add_request(args[0], args[1], request_id=args[2])
             except ValueError as exc:
+                self._dequeued(args[3])
                 done.set_exception(exc)
                 self._streams.pop(args[2], None)
                 return
+            self._dequeued(args[3])
             done.set_result(None)
         elif name == "abort":
             self.engine.abort(args[0])
@@ -161,13 +182,26 @@ class AsyncLLMEngine:
             if done is not None and not done.done():
                 done.set_exception(error)
 
+    def _dequeued(self, num_tokens: int) -> None:
+        """The engine thread took a queued request (into the scheduler, or refused it)."""
+        with self._ledger_lock:
+            self._queued_tokens -= num_tokens
+
     def _snapshot_load(self) -> EngineLoad:
         sched = self.engine.scheduler
         self._load_seq += 1
+        with self._ledger_lock:  # the engine thread applies no command meanwhile: it is here
+            queued_tokens = self._queued_tokens
+            horizon = time.monotonic() - self._accepted_window_s
+            while self._accepted and self._accepted[0][0] < horizon:
+                self._accepted.popleft()
+            accepted_ids = tuple(routing_id for _, routing_id in self._accepted)
         return EngineLoad(
             seq=self._load_seq, time=time.time(), kv=sched.kv_usage(),
             # A request loading its prefix from host or disk holds blocks and runs next: running.
             num_running=len(sched.running) + len(sched.loading), num_waiting=len(sched.waiting),
-            num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+            num_waiting_tokens=queued_tokens + sum(r.num_tokens - r.num_computed_tokens
+                                                   for r in sched.waiting),
             cached_block_hashes=tuple(sched.kv.pool.cached_hashes(self._max_cached_hashes)),
+            accepted_ids=accepted_ids,
         )

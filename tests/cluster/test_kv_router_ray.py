@@ -36,6 +36,7 @@ from cluster.kv_router import (  # noqa: E402
     live_routers,
     parse_report,
 )
+from cluster.group_deployment import serve_routing_id  # noqa: E402
 from cluster.placement import PlacementReason  # noqa: E402
 
 DEPLOYMENT = DeploymentID(name="group", app_name="test")
@@ -50,6 +51,7 @@ def stats(seq: int, used: int, total: int = 100, *, at: Optional[float] = None, 
         "block_size": 16,
         "waiting_tokens": 0,
         "cached_block_hashes": [],
+        "accepted_ids": [],
     }
     report.update(extra)
     return report
@@ -157,25 +159,58 @@ def test_a_malformed_report_leaves_the_replica_unreported(router, caplog):
     assert "ignoring routing stats of replica bad" in caplog.text
 
 
-def test_tracker_drops_charges_the_new_report_already_holds():
+def test_tracker_drops_the_charges_of_the_requests_a_report_lists():
     tracker = ReplicaLoadTracker("g")
     assert tracker.observe({}, now=100.0) is None
-    tracker.observe(stats(1, 10, at=100.0), now=100.2)
-    tracker.charge("early", 160, now=100.3)  # accepted before the next report was taken
+    tracker.observe(stats(1, 10), now=100.2)
+    tracker.charge("early", 160, now=100.3)  # the group accepts it before its next report
     tracker.charge("late", 320, now=100.8)  # after it: the report cannot hold it
-    assert tracker.observe(stats(1, 10, at=100.0), now=100.9).num_tokens_sent_since_report == 480
-    load = tracker.observe(stats(2, 20, at=100.5), now=100.9)
+    assert tracker.observe(stats(1, 10), now=100.9).num_tokens_sent_since_report == 480
+    load = tracker.observe(stats(2, 20, accepted_ids=["early"]), now=100.9)
     assert (load.report_seq, load.num_blocks_used) == (2, 20)
     assert load.num_tokens_sent_since_report == 320
-    assert load.report_age_s == pytest.approx(0.4)
     tracker.release("late")
-    assert tracker.observe(stats(2, 20, at=100.5), now=100.95).num_tokens_sent_since_report == 0
+    assert tracker.observe(stats(2, 20), now=100.95).num_tokens_sent_since_report == 0
 
 
-def test_tracker_marks_a_report_that_stopped_arriving_stale(router):
-    long_ago = time.time() - 60.0
-    stuck = StandInReplica("stuck", stats(7, 0, at=long_ago))
+@pytest.mark.parametrize("group_clock_skew_s", [-30.0, 30.0])
+def test_no_clock_of_another_host_decides_what_a_report_holds(group_clock_skew_s):
+    """A group's clock behind the router's kept every charge forever (its reports looked
+    older than every charge); one ahead dropped charges of requests its report did not hold
+    (accepted, still queued for the engine). The request ids in the report decide."""
+    tracker = ReplicaLoadTracker("g")
+    tracker.observe(stats(1, 10, at=100.0 + group_clock_skew_s), now=100.0)
+    tracker.charge("held", 160, now=100.1)
+    tracker.charge("queued", 320, now=100.2)
+    load = tracker.observe(stats(2, 20, at=100.3 + group_clock_skew_s, accepted_ids=["held"]),
+                           now=100.4)
+    assert load.num_tokens_sent_since_report == 320
+    assert load.report_age_s == pytest.approx(0.0)  # received just now, whatever its "time"
+
+
+def test_report_age_is_counted_from_when_the_router_received_it():
+    tracker = ReplicaLoadTracker("g")
+    tracker.observe(stats(7, 0, at=0.0), now=1000.0)  # a clock far behind: still fresh
+    assert tracker.observe(stats(7, 0, at=0.0), now=1001.0).report_age_s == pytest.approx(1.0)
+    # The same report 60 s later: the group stopped reporting.
+    assert tracker.observe(stats(7, 0, at=0.0), now=1060.0).report_age_s == pytest.approx(60.0)
+
+
+def test_a_charge_no_report_ever_lists_expires_on_the_routers_clock():
+    """A request cancelled while routing never reaches the group: its charge goes after
+    ``charge_ttl_s``, measured by the router alone."""
+    tracker = ReplicaLoadTracker("g", charge_ttl_s=10.0)
+    tracker.observe(stats(1, 10), now=100.0)
+    tracker.charge("cancelled", 160, now=100.0)
+    assert tracker.observe(stats(2, 10), now=105.0).num_tokens_sent_since_report == 160
+    assert tracker.observe(stats(3, 10), now=111.0).num_tokens_sent_since_report == 0
+
+
+def test_a_stale_replica_ranks_last(router):
+    stuck = StandInReplica("stuck", stats(7, 0))
     busy = StandInReplica("busy", stats(1, 90))
+    tracker = router._tracker(stuck.replica_id)
+    tracker.observe(stuck.routing_stats, now=time.time() - 60.0)  # received a minute ago
     assert choose(router, [stuck, busy], request("r1", num_tokens=16)) == [["busy"], ["stuck"]]
     router.on_request_routed(request("r1"), busy.replica_id, None)
     assert router.decision_counts() == {PlacementReason.LEAST_LOADED.value: 1}
@@ -247,10 +282,12 @@ class StandInGroup:
         self.replica_id = context.replica_id.unique_id
         self.num_blocks_used = NUM_BLOCKS * (9 if self.rank == 0 else 1) // 10
         self.cached = PREFIX if self.rank == 0 else []
+        self.accepted: List[str] = []
         self.seq = 0
 
     def generate(self, payload: str, num_tokens: int, block_hashes=(), block_size=None) -> dict:
         self.num_blocks_used += math.ceil(num_tokens / BLOCK_SIZE)
+        self.accepted.append(serve_routing_id())
         return {"rank": self.rank, "replica_id": self.replica_id}
 
     def ping(self) -> dict:
@@ -266,6 +303,7 @@ class StandInGroup:
             "block_size": BLOCK_SIZE,
             "waiting_tokens": 0,
             "cached_block_hashes": self.cached,
+            "accepted_ids": self.accepted[-1000:],
         }
 
 
@@ -311,3 +349,13 @@ def test_requests_avoid_the_replica_above_target(serve_app):
     times_us = sorted(router.decision_times_us())
     assert len(times_us) >= num_requests
     print(f"decision time p50 {times_us[len(times_us) // 2]:.1f} us over {len(times_us)}")
+    # The replicas list the requests they accepted by the id the router charged them under:
+    # the next reports take every charge back (a mismatched id would leave them for the 10 s
+    # TTL; reports come every 0.2 s).
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        if all(load.num_tokens_sent_since_report == 0 for load in router.group_loads().values()):
+            break
+        time.sleep(0.1)
+    assert {g: load.num_tokens_sent_since_report for g, load in router.group_loads().items()
+            } == {g: 0 for g in router.group_loads()}

@@ -70,3 +70,26 @@ def test_an_idle_engine_keeps_its_load_report_fresh(engine):
     first = engine.load
     time.sleep(1.2)  # no requests: the engine thread only waits for commands
     assert engine.load.seq > first.seq and engine.load.time > first.time
+
+
+def test_a_report_holds_every_request_accepted_before_it(engine):
+    """A request accepted while the engine thread is inside a step waits in the command queue;
+    a report taken then must still list it and count its tokens, or the router drops its charge
+    and the request is in neither count."""
+    prompt = [7] * 37
+
+    async def main():
+        busy = engine.generate([3] * 5, SamplingParams(max_tokens=100, ignore_eos=True), "busy")
+        await busy.__anext__()  # the engine thread is stepping now
+        accepted = engine.generate(prompt, SamplingParams(max_tokens=2), "acc", routing_id="rt-1")
+        first = asyncio.ensure_future(accepted.__anext__())
+        await asyncio.sleep(0)  # generate() has queued the request
+        load = engine._snapshot_load()  # as if the engine thread reported now
+        await first
+        await accepted.aclose()
+        await busy.aclose()
+        return load
+
+    load = asyncio.run(main())
+    assert "rt-1" in load.accepted_ids
+    assert load.num_waiting_tokens + load.kv.num_filled_slots >= len(prompt) + 5
