@@ -59,6 +59,7 @@ from cluster.openai_requests import (
     TokenizeCompletionRequest,
     ignored_fields,
 )
+from cluster.output_length import OutputLengthEstimate, router_charge
 from kv.prefix_hash import extend_block_hashes
 from workers.model_config import load_model_config
 from workers.tokenizer import load_tokenizer
@@ -124,6 +125,7 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer(Path(model_dir))
         self.vocab_size = load_model_config(Path(model_dir)).vocab_size
         self.metrics = IngressMetrics(served_model_name, max_model_len, export_to_ray=True)
+        self._output_lengths = OutputLengthEstimate()  # what the router charges for outputs
         self._store = get_metrics_store()
         self._created = int(time.time())
 
@@ -296,7 +298,8 @@ class OpenAIIngress:
                    "sampling": sampling}
         n = sampling["n"]
         response = self._group.generate.remote(
-            payload, num_tokens=len(prompt_ids) + n * max_tokens,
+            payload, num_tokens=router_charge(len(prompt_ids), n, max_tokens,
+                                              self._output_lengths),
             block_hashes=extend_block_hashes([], prompt_ids, self.block_size))
         run = RequestRun(fmt, GroupStream(response, n), timer, len(prompt_ids), n,
                          sampling["logprobs"] is not None, self._token_text, self._record,
@@ -313,6 +316,10 @@ class OpenAIIngress:
 
     def _record(self, run: RequestRun, outcome: Optional[str]) -> None:
         reason = outcome or run.finish_reason or "abort"
+        if outcome is None:  # finished in the group: a sample of how long outputs run
+            for choice in run.choices:
+                if choice.finish_reason is not None:
+                    self._output_lengths.record(choice.num_output_tokens)
         self.metrics.record(run.timer, run.num_prompt_tokens, run.num_output_tokens, reason)
 
     async def _group_records(self) -> Mapping[str, GroupRecord]:
