@@ -108,15 +108,16 @@ class BlockCopier:
         """Hash the blocks in the pool, queue their copies and the checksums' copy behind it on
         the same stream, then wait once."""
         assert self._hasher is not None
-        blocks = [block for block, _ in pairs if self._is_block(block)]
+        valid = [self._is_block(block) for block, _ in pairs]  # the others fail alone
+        blocks = [block for (block, _), ok in zip(pairs, valid) if ok]
         sums = self._to_host(self._hasher.hash_blocks(blocks))  # [len(blocks)]
-        copied = [_guarded(self._tensor_copy_out, pair) if self._is_block(pair[0]) else None
-                  for pair in pairs]
+        copied = [_guarded(self._tensor_copy_out, pair) if ok else None
+                  for pair, ok in zip(pairs, valid)]
         on_device_read()
         self._synchronize()
-        values = iter(sums.tolist())
-        return [None if not self._is_block(block) else _unsigned(next(values)) if ok else None
-                for (block, _), ok in zip(pairs, copied)]
+        values = iter(sums.tolist())  # one per valid block, copied or not
+        return [_checksum_if(next(values), ok) if is_valid else None
+                for is_valid, ok in zip(valid, copied)]
 
     def _copy_in_verified_on_device(self, items: Sequence[Tuple[int, int, Optional[int]]]
                                     ) -> List[Optional[bool]]:
@@ -231,8 +232,9 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _unsigned(value: int) -> int:
-    return value & 0xFFFFFFFFFFFFFFFF
+def _checksum_if(value: int, is_copied: Optional[bool]) -> Optional[int]:
+    """The uint64 checksum of a block whose copy was queued, else None."""
+    return value & 0xFFFFFFFFFFFFFFFF if is_copied else None
 
 
 def _guarded(fn: Callable[[T], R], item: T) -> Optional[R]:

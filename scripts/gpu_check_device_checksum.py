@@ -39,8 +39,8 @@ def check_device_checksum(ctx: CheckContext, report: Report, num_blocks: int) ->
     from kv.cupy_checksum import load_cupy_hasher
 
     report.figure("cupy", cupy.__version__)
-    # SmolLM2-135M's 720 KiB block at TP 1 in fp32, and a bf16 pool whose rows are 2 CTA shares + 256
-    # words: the kernel's share boundaries and a different dtype.
+    # SmolLM2-135M's 720 KiB block at TP 1 in fp32, and a bf16 pool whose rows are two CTA shares
+    # and 256 words: the kernel's share boundaries and a different dtype.
     timed = None
     for spec in (KVCacheSpec(30, num_blocks, 16, 3, 64, torch.float32),
                  KVCacheSpec(4, 16, 16, 8, 136, torch.bfloat16)):
