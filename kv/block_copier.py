@@ -1,11 +1,19 @@
 """Whole-block copies between one rank's device pool and its host slots, checksummed on the way.
 
 A device block is ``2 * num_layers`` strided rows of ``block_size * H * D`` elements in the pool
-(``[L, 2, slots, H, D]``); a host slot holds the same rows back to back. On CPU the blocks of a
-batch are split over a few threads, each copying a block and hashing it while it is still in
-cache (numpy byte copies and xxh3 both release the GIL), so a batch costs about one pass over
-memory rather than a copy pass plus a hashing pass. On CUDA the copies run on the caller's copy
-stream from pinned memory; the host hashes once the stream has finished.
+(``[L, 2, slots, H, D]``); a host slot holds the same rows back to back. Which checksum and where
+it runs is the ``BlockChecksum`` strategy (``kv/block_checksum.py``):
+
+- Host hashing (CPU pools; CUDA pools without CuPy). On CPU the blocks of a batch are split over a
+  few threads, each copying a block and hashing it while it is still in cache (numpy byte copies
+  and xxh3 both release the GIL), so a batch costs about one pass over memory rather than a copy
+  pass plus a hashing pass. On CUDA the copies run on the caller's copy stream from pinned memory;
+  the host hashes once the stream has finished.
+- Device hashing (CUDA with CuPy). A spill hashes its blocks in the pool (one launch for the
+  batch) before their copies on the same stream and brings the checksums back in one small copy;
+  a restore copies first, hashes the destination blocks, compares on the device and brings the
+  mismatch flags back in one small copy. The host never hashes on this path. The same code runs
+  on CPU with ``ReferenceBlockHasher`` (the kernel's numpy twin), which is how it is tested.
 
 Costs: O(bytes) per batch; a failure of one block (an exception) fails only that block.
 """
@@ -19,7 +27,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 import numpy as np
 import torch
 
-from kv.checksum import block_checksum
+from kv.block_checksum import BlockChecksum, choose_block_checksum
 from kv.host_buffer import HostBuffer
 from kv.kv_cache import KVCache
 
@@ -32,8 +40,11 @@ R = TypeVar("R")
 class BlockCopier:
     """Copies blocks out to host slots (returning their checksums) and back in (verifying them)."""
 
-    def __init__(self, kv_cache: KVCache, host: HostBuffer, num_threads: int = 2) -> None:
+    def __init__(self, kv_cache: KVCache, host: HostBuffer, num_threads: int = 2,
+                 checksum: Optional[BlockChecksum] = None) -> None:
         spec = kv_cache.spec
+        self.checksum = checksum if checksum is not None else choose_block_checksum(kv_cache)
+        self._hasher = self.checksum.device
         self._kv = kv_cache
         self._host = host
         self._num_blocks = spec.num_blocks
@@ -53,36 +64,95 @@ class BlockCopier:
         """Copy device blocks to host slots (``(block, slot)`` pairs); the checksum of each slot
         written, or None where the copy failed. ``on_device_read`` is called once the device
         blocks have been read (CPU) or the copies are queued on the current stream (CUDA)."""
+        if self._hasher is not None:
+            return self._copy_out_hashed_on_device(pairs, on_device_read)
         if not self.is_cuda:
             checksums = self._parallel(self._copy_out_and_hash, pairs)
             on_device_read()
             return checksums
-        copied = [_guarded(self._cuda_copy_out, pair) for pair in pairs]
+        copied = [_guarded(self._tensor_copy_out, pair) for pair in pairs]
         on_device_read()
-        torch.cuda.current_stream(self._kv.data.device).synchronize()
+        self._synchronize()
         slots = [slot for (_, slot), ok in zip(pairs, copied) if ok]
         sums = iter(self.checksums(slots))
         return [next(sums) if ok else None for ok in copied]
 
     def copy_in(self, items: Sequence[Tuple[int, int, Optional[int]]]) -> List[Optional[bool]]:
-        """Copy host slots to device blocks (``(slot, block, expected checksum)``) where the
-        slot's bytes still match the checksum: True where the block was written, False where
-        the bytes did not match (the block is left alone), None where the copy failed."""
+        """Copy host slots to device blocks (``(slot, block, expected checksum)``) and check the
+        bytes against the checksum: True where the block was written intact, False where the bytes
+        did not match, None where the copy failed. On a False or None the destination block must
+        not be attended to: host hashing leaves it alone, device hashing has written the bad
+        bytes into it (a fresh block of a restore, recomputed before anyone reads it)."""
+        if self._hasher is not None:
+            return self._copy_in_verified_on_device(items)
         if not self.is_cuda:
             return self._parallel(self._verify_and_copy_in, items)
         intact = self._parallel(self._verify, items)
         written: List[Optional[bool]] = [
-            _guarded(self._cuda_copy_in, (slot, block)) if ok else ok
+            _guarded(self._tensor_copy_in, (slot, block)) if ok else ok
             for (slot, block, _), ok in zip(items, intact)]
-        torch.cuda.current_stream(self._kv.data.device).synchronize()
+        self._synchronize()
         return written
 
     def checksums(self, slots: Sequence[int]) -> List[int]:
-        """Checksums of host slots, hashed on the copier's threads."""
+        """Checksums of host slots by the strategy's host function, on the copier's threads."""
         return self._parallel(self._slot_checksum, slots)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+    # ----- hashed on the device -----
+
+    def _copy_out_hashed_on_device(self, pairs: Sequence[Tuple[int, int]],
+                                   on_device_read: Callable[[], None]) -> List[Optional[int]]:
+        """Hash the blocks in the pool, queue their copies and the checksums' copy behind it on
+        the same stream, then wait once."""
+        assert self._hasher is not None
+        valid = [self._is_block(block) for block, _ in pairs]  # the others fail alone
+        blocks = [block for (block, _), ok in zip(pairs, valid) if ok]
+        sums = self._to_host(self._hasher.hash_blocks(blocks))  # [len(blocks)]
+        copied = [_guarded(self._tensor_copy_out, pair) if ok else None
+                  for pair, ok in zip(pairs, valid)]
+        on_device_read()
+        self._synchronize()
+        values = iter(sums.tolist())  # one per valid block, copied or not
+        return [_checksum_if(next(values), ok) if is_valid else None
+                for is_valid, ok in zip(valid, copied)]
+
+    def _copy_in_verified_on_device(self, items: Sequence[Tuple[int, int, Optional[int]]]
+                                    ) -> List[Optional[bool]]:
+        """Queue the copies, hash the written blocks and compare with the expected checksums on
+        the device; one wait, one small copy of the mismatch flags."""
+        assert self._hasher is not None
+        written: List[Optional[bool]] = [
+            _guarded(self._tensor_copy_in, (slot, block)) if expected is not None else False
+            for slot, block, expected in items]
+        checked = [i for i, ok in enumerate(written) if ok]
+        sums = self._hasher.hash_blocks([items[i][1] for i in checked])  # [len(checked)]
+        expected = torch.tensor([_signed(items[i][2]) for i in checked], dtype=torch.int64)
+        mismatch = self._to_host(sums != expected.to(sums.device, non_blocking=True))
+        self._synchronize()
+        for i, is_bad in zip(checked, mismatch.tolist()):
+            written[i] = not is_bad
+        return written
+
+    def _to_host(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` queued for a non-blocking copy to pinned host memory (CUDA), or as is."""
+        if not values.is_cuda:
+            return values
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        return host.copy_(values, non_blocking=True)
+
+    def _synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.current_stream(self._kv.data.device).synchronize()
+
+    def _is_block(self, block: int) -> bool:
+        if 0 <= block < self._num_blocks:
+            return True
+        logger.error("KV block copy: device block %d out of range, expected 0 <= block < %d",
+                     block, self._num_blocks)
+        return False
 
     # ----- per block -----
 
@@ -102,18 +172,18 @@ class BlockCopier:
         np.copyto(self._device_rows(block), self._host_rows(slot))
         return True
 
-    def _cuda_copy_out(self, pair: Tuple[int, int]) -> bool:
+    def _tensor_copy_out(self, pair: Tuple[int, int]) -> bool:
         block, slot = pair
         self._host_block(slot).copy_(self._device_block(block), non_blocking=True)
         return True
 
-    def _cuda_copy_in(self, pair: Tuple[int, int]) -> bool:
+    def _tensor_copy_in(self, pair: Tuple[int, int]) -> bool:
         slot, block = pair
         self._device_block(block).copy_(self._host_block(slot), non_blocking=True)
         return True
 
     def _slot_checksum(self, slot: int) -> int:
-        return block_checksum(self._host_bytes[slot, :self._host.block_nbytes])
+        return self.checksum.host(self._host_bytes[slot, :self._host.block_nbytes])
 
     def _device_rows(self, block: int) -> np.ndarray:
         self._check_block(block)
@@ -155,6 +225,16 @@ class BlockCopier:
         for future in [self._pool.submit(run, share) for share in shares]:
             future.result()
         return results
+
+
+def _signed(value: int) -> int:
+    """A uint64 checksum as the int64 with the same bits (torch has no uint64 comparisons)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _checksum_if(value: int, is_copied: Optional[bool]) -> Optional[int]:
+    """The uint64 checksum of a block whose copy was queued, else None."""
+    return value & 0xFFFFFFFFFFFFFFFF if is_copied else None
 
 
 def _guarded(fn: Callable[[T], R], item: T) -> Optional[R]:

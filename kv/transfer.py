@@ -38,6 +38,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from kv.block_checksum import BlockChecksum, index_identity
 from kv.block_copier import BlockCopier
 from kv.disk_index import read_snapshot, write_snapshot
 from kv.disk_store import DiskStore
@@ -109,13 +110,15 @@ class TransferEngine:
     synchronization per group of copies, one coalesced disk call per group of disk ops. On CUDA
     the copies run on their own stream after the compute work issued before ``submit``.
     Neither the host buffer nor the disk store is owned: the caller closes them after ``close``.
+    ``checksum``: the block checksum strategy (default: chosen for the pool's device, see
+    ``kv.block_checksum``); its name is part of the disk index's identity.
     Every wait raises ``TransferError`` once the worker has failed, or when what it waits for is
     not done within ``wait_timeout_s`` (generous: a stuck device, not a slow one).
     """
 
     def __init__(self, kv_cache: KVCache, host: HostBuffer, disk: Optional[DiskStore] = None,
                  index_path: Optional[Path] = None, identity: str = "",
-                 wait_timeout_s: float = 600.0) -> None:
+                 wait_timeout_s: float = 600.0, checksum: Optional[BlockChecksum] = None) -> None:
         if host.block_nbytes != kv_cache.spec.bytes_per_block:
             raise ValueError(f"host slots hold {host.block_nbytes} bytes, expected the KV "
                              f"cache's {kv_cache.spec.bytes_per_block} bytes per block")
@@ -127,12 +130,13 @@ class TransferEngine:
         self._host = host
         self._disk = disk
         self._index_path = index_path
-        self._identity = identity
         self._is_cuda = kv_cache.data.is_cuda
         # Default priority: a low-priority copy stream starved by compute can deadlock a step
         # that waits for its restores.
         self._copy_stream = torch.cuda.Stream(kv_cache.data.device) if self._is_cuda else None
-        self._copier = BlockCopier(kv_cache, host, num_threads=_copy_threads())
+        self._copier = BlockCopier(kv_cache, host, _copy_threads(), checksum)
+        self.checksum = self._copier.checksum
+        self._identity = index_identity(identity, self.checksum.name)
         self._io = ThreadPoolExecutor(_IO_DEPTH, thread_name_prefix="tpserve-kv-io")
         # Owned by the worker thread once it starts.
         self._host_entries: Dict[int, _Entry] = {}

@@ -1,5 +1,10 @@
 """One rank's tier copies: round trips, refused corruption, FIFO order, disk index, TP agreement,
-and a failed or stuck worker failing every wait instead of hanging it."""
+and a failed or stuck worker failing every wait instead of hanging it.
+
+Tests on the ``tiers`` fixture run twice: with xxh3 hashed on the host (CPU pools) and with mix64
+hashed "on the device" by the kernel's numpy twin (the copier's CUDA-with-CuPy path, run on CPU:
+hash before a spill's copy, copy then verify on a restore, disk reads verified on the host by
+the numpy reference)."""
 
 import threading
 import time
@@ -9,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kv.block_checksum import ReferenceBlockHasher, index_identity, mix64_strategy
 from kv.disk_index import write_snapshot
 from kv.disk_store import DiskStore
 from kv.host_buffer import HostBuffer
@@ -34,16 +40,19 @@ def block(kv: KVCache, index: int) -> torch.Tensor:
     return kv.data[:, :, index * bs:(index + 1) * bs]  # [L, 2, bs, H, D]
 
 
-@pytest.fixture
-def tiers(tmp_path):
+@pytest.fixture(params=["xxh3", "mix64-device"])
+def tiers(tmp_path, request):
     """(kv, host, disk, make_engine); engines and stores are closed after the test."""
     kv = random_cache()
     host = HostBuffer(8, SPEC.bytes_per_block, pin=False)
     disk = DiskStore(tmp_path / "slots.bin", 16, host.slot_bytes)
     engines = []
 
-    def make_engine(identity: str = "model-a/rank0") -> TransferEngine:
-        engines.append(TransferEngine(kv, host, disk, tmp_path / "index.json", identity))
+    def make_engine(identity: str = "model-a/rank0", checksum=request.param) -> TransferEngine:
+        strategy = None if checksum == "xxh3" else mix64_strategy(ReferenceBlockHasher(kv))
+        engines.append(TransferEngine(kv, host, disk, tmp_path / "index.json", identity,
+                                      checksum=strategy))
+        assert engines[-1].checksum.name == checksum.split("-")[0]
         return engines[-1]
 
     yield kv, host, disk, make_engine
@@ -112,7 +121,10 @@ def test_corrupt_host_bytes_or_wrong_tag_refuse_restore(tiers):
     untouched = [block(kv, b).clone() for b in (4, 5)]
     statuses = run(engine, [Restore(0, 4, tag=7), Restore(1, 5, tag=9), Restore(1, 6, tag=8)])
     assert statuses == (CHECKSUM, CHECKSUM, OK)
-    assert torch.equal(block(kv, 4), untouched[0]) and torch.equal(block(kv, 5), untouched[1])
+    # Hashed on the device, the bad bytes were copied before the check: the block is not
+    # attended to (the restore failed), and a wrong tag is refused before any copy.
+    assert engine.checksum.device is not None or torch.equal(block(kv, 4), untouched[0])
+    assert torch.equal(block(kv, 5), untouched[1])
     assert torch.equal(block(kv, 6), block(kv, 1))
 
 
@@ -172,8 +184,10 @@ def test_saved_index_survives_a_restart_of_the_same_identity(tiers):
     assert make_engine(identity="model-b/rank0").disk_tags() == {}
 
 
-def test_index_records_outside_the_disk_are_ignored(tiers, tmp_path, caplog):
-    write_snapshot(tmp_path / "index.json", INDEX_KIND, "model-a/rank0",
+def test_index_records_outside_the_disk_are_ignored(tiers, tmp_path, caplog, request):
+    checksum_name = request.node.callspec.params["tiers"].split("-")[0]
+    write_snapshot(tmp_path / "index.json", INDEX_KIND,
+                   index_identity("model-a/rank0", checksum_name),
                    [[2, 11, 12], [16, 13, 14], ["x"]])
     _, _, _, make_engine = tiers
     assert make_engine().disk_tags() == {2: 11}
@@ -326,3 +340,33 @@ def test_ranks_agree_on_the_worst_status():
         p.join(30)
     expected = (0, (OK, OK, OK, CHECKSUM), 4)
     assert rows == [(0, *expected, True), (1, *expected, False)]
+
+
+def test_an_index_written_under_another_checksum_is_not_trusted(tiers):
+    """mix64 checksums on disk mean nothing to an xxh3 engine (and back): a cold cache, not a
+    checksum failure on every block."""
+    kv, _, _, make_engine = tiers
+    engine = make_engine()
+    assert run(engine, [Spill(0, 0, tag=1), WriteDisk(0, 2, tag=1), SaveIndex()]) == (OK,) * 3
+    engine.close()
+    assert make_engine().disk_tags() == {2: 1}
+    other = "xxh3" if engine.checksum.name == "mix64" else "mix64-device"
+    assert make_engine(checksum=other).disk_tags() == {}
+
+
+def test_device_hashing_reads_each_block_once_per_batch(tmp_path, monkeypatch):
+    """One hash call per spill batch and per restore batch, whatever the number of blocks."""
+    kv = random_cache()
+    hasher = ReferenceBlockHasher(kv)
+    calls = []
+    original = hasher.hash_blocks
+    monkeypatch.setattr(hasher, "hash_blocks", lambda ids: calls.append(list(ids)) or original(ids))
+    host = HostBuffer(8, SPEC.bytes_per_block, pin=False)
+    engine = TransferEngine(kv, host, checksum=mix64_strategy(hasher))
+    try:
+        assert run(engine, [Spill(b, b, tag=b) for b in range(4)]) == (OK,) * 4
+        assert run(engine, [Restore(b, b + 4, tag=b) for b in range(4)]) == (OK,) * 4
+    finally:
+        engine.close()
+        host.close()
+    assert calls == [[0, 1, 2, 3], [4, 5, 6, 7]]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+import torch
 
 from bench_scripts import load_script, run_script
 
@@ -163,3 +164,36 @@ def test_trace_lengths_are_the_first_64_azure_code_requests(gpu_check):
     assert len(rows) == 64
     assert throughput.TRACE_LENGTHS == tuple((r.num_prompt_tokens, r.num_output_tokens)
                                              for r in rows)
+
+
+# ----- the device checksum checks' own logic, with the kernel's numpy twin on CPU -----
+
+
+def test_device_checksum_tier_path_passes_with_the_reference_hasher(gpu_check, monkeypatch,
+                                                                    tmp_path):
+    import gpu_check_device_checksum as device_checksum
+    from gpu_check_common import Report
+    from kv import block_copier
+    from kv.block_checksum import ReferenceBlockHasher, mix64_strategy
+
+    monkeypatch.setattr(block_copier, "choose_block_checksum",
+                        lambda kv_cache: mix64_strategy(ReferenceBlockHasher(kv_cache)))
+    report = Report("tier_copies")
+    device_checksum.check_tier_path(torch.device("cpu"), tmp_path, report)
+    assert len(report.checks) == 4 and all(report.checks.values()), report.checks
+
+
+def test_device_checksum_is_not_available_on_cpu_or_without_cupy(gpu_check, monkeypatch):
+    import gpu_check_device_checksum as device_checksum
+    from gpu_check_common import Report
+
+    ctx = types.SimpleNamespace(is_cuda=False)
+    report = Report("tier_copies")
+    device_checksum.check_device_checksum(ctx, report, 8)
+    assert report.status == "not available" and "CUDA device" in report.not_available[
+        "device_checksum"]
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    report = Report("tier_copies")
+    device_checksum.check_device_checksum(types.SimpleNamespace(is_cuda=True), report, 8)
+    assert report.status == "not available" and report.checks == {}
+    assert report.not_available["device_checksum"].startswith("cupy not installed")

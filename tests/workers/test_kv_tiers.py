@@ -5,6 +5,10 @@ the disk tier.
 The device pool (16 blocks of 4 tokens) holds one request at a time, so three prompt families with
 24-token shared prefixes evict each other from the device: their second requests find the prefix
 only on host (or, with a 6-block host tier, on disk).
+
+Tests taking ``checksum`` run twice: with xxh3 (what a CPU pool gets) and with mix64 through the
+copier's device path, hashed by the CuPy kernel's numpy twin (what a CUDA pool with CuPy runs,
+all but the kernel launch itself).
 """
 
 import json
@@ -16,6 +20,8 @@ import sys
 
 import pytest
 
+from kv import block_copier
+from kv.block_checksum import ReferenceBlockHasher, mix64_strategy
 from tiny_models import build_checkpoint, hf_greedy
 from workers.config import EngineConfig
 from workers.llm import LLM
@@ -45,6 +51,19 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(model_dir):
     return hf_greedy(model_dir, FIRST + SECOND, MAX_NEW)
+
+
+@pytest.fixture(params=["xxh3", "mix64-device"])
+def checksum(request, monkeypatch):
+    """The checksum strategy of every engine the test starts (the name it must report)."""
+    if request.param == "mix64-device":
+        monkeypatch.setattr(block_copier, "choose_block_checksum",
+                            lambda kv_cache: mix64_strategy(ReferenceBlockHasher(kv_cache)))
+    return request.param.split("-")[0]
+
+
+def check_checksum(llm, name):
+    assert llm.engine.rank.tiers.transfer.checksum.name == name
 
 
 def config(model_dir, **overrides):
@@ -92,10 +111,11 @@ def test_without_tiers_the_same_workload_recomputes(model_dir, references):
 
 
 @pytest.mark.parametrize("eviction", ["lru", "hotness"])
-def test_disk_tier_restores_through_host(model_dir, references, tmp_path, eviction):
+def test_disk_tier_restores_through_host(model_dir, references, tmp_path, eviction, checksum):
     cfg = config(model_dir, host_kv_blocks=6, disk_kv_dir=str(tmp_path / "kv"),
                  disk_kv_blocks=64, kv_eviction=eviction)
     with LLM(cfg) as llm:
+        check_checksum(llm, checksum)
         assert generate(llm, FIRST) == references[:3]
         assert generate(llm, SECOND) == references[3:]
         tiers = tier_stats(llm)
@@ -143,8 +163,9 @@ def _flip_first_byte(tensor_or_path, offset=0):
         tensor_or_path[offset] ^= 0xFF
 
 
-def test_corrupted_host_block_is_caught_and_recomputed(model_dir, references):
+def test_corrupted_host_block_is_caught_and_recomputed(model_dir, references, checksum):
     with LLM(config(model_dir)) as llm:
+        check_checksum(llm, checksum)
         assert generate(llm, FIRST) == references[:3]
         tiers = tier_stats(llm)
         kv = llm.engine.scheduler.kv
@@ -161,10 +182,12 @@ def test_corrupted_host_block_is_caught_and_recomputed(model_dir, references):
         assert tiers.stats.num_checksum_failures == 1
 
 
-def test_corrupted_disk_block_is_caught_and_recomputed(model_dir, references, tmp_path):
+def test_corrupted_disk_block_is_caught_and_recomputed(model_dir, references, tmp_path,
+                                                       checksum):
     disk_dir = tmp_path / "kv"
     cfg = config(model_dir, host_kv_blocks=2, disk_kv_dir=str(disk_dir), disk_kv_blocks=64)
     with LLM(cfg) as llm:
+        check_checksum(llm, checksum)
         assert generate(llm, FIRST) == references[:3]
         tiers = tier_stats(llm)
         on_disk = [h for h, _ in _prefix_hashes(FIRST[0])
@@ -184,10 +207,11 @@ def _prefix_hashes(prompt):
     return [(h, tuple(prompt[i * BLOCK:(i + 1) * BLOCK])) for i, h in enumerate(hashes)]
 
 
-def test_restart_reuses_the_disk_tier(model_dir, references, tmp_path, caplog):
+def test_restart_reuses_the_disk_tier(model_dir, references, tmp_path, caplog, checksum):
     disk_dir = tmp_path / "kv"
     cfg = config(model_dir, host_kv_blocks=4, disk_kv_dir=str(disk_dir), disk_kv_blocks=64)
     with LLM(cfg) as llm:
+        check_checksum(llm, checksum)
         assert generate(llm, FIRST) == references[:3]
         assert tier_stats(llm).stats.num_disk_written_blocks > 0
     shutil.copytree(disk_dir, tmp_path / "truncated")
