@@ -149,12 +149,22 @@ class LLMEngine:
     # ----- requests -----
 
     def add_request(self, prompt: Union[str, Sequence[int]], params: SamplingParams,
-                    request_id: Optional[str] = None) -> RequestId:
-        """Queue a request (text, or token ids); raises ``ValueError`` on bad input."""
+                    request_id: Optional[str] = None,
+                    resume_output_ids: Sequence[int] = ()) -> RequestId:
+        """Queue a request (text, or token ids); raises ``ValueError`` on bad input.
+
+        ``resume_output_ids``: the tokens another engine already produced for this request (a
+        migrated request, n=1). They count as output (``max_tokens``, ``min_tokens``,
+        penalties, stop strings across the cut) and their text as already emitted: the outputs
+        continue where that engine stopped. A greedy request continues exactly; a seeded one
+        draws from a seed derived from its seed and the number of resumed tokens (reproducible
+        for the same cut, not the draws the uninterrupted run would have made)."""
         token_ids = self._tokenize(prompt)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; the model's context is "
-                             f"{self.max_model_len} tokens, prompt plus at least one output")
+        resume = self._check_resume(list(resume_output_ids), params, len(token_ids))
+        if len(token_ids) + len(resume) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids) + len(resume)} tokens; the model's "
+                             f"context is {self.max_model_len} tokens, prompt plus at least one "
+                             f"output")
         rid = RequestId(request_id or uuid.uuid4().hex)
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -163,23 +173,44 @@ class LLMEngine:
         for index in range(params.n):
             child_id = rid if params.n == 1 else RequestId(f"{rid}#{index}")
             request = Request(child_id, next(self._seq_ids), token_ids, params,
-                              self._choice_generator(params, index),
+                              self._choice_generator(params, index, len(resume)),
                               self.model_config.eos_token_ids, parent_id=rid, index=index,
                               prefill_leader=choices[0] if choices else None)
+            request.resume(resume)
             choices.append(request)
             if self.tokenizer is not None:
-                self._detok[child_id] = IncrementalDetokenizer(
+                detok = self._detok[child_id] = IncrementalDetokenizer(
                     self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output)
+                for count, token in enumerate(resume, start=1):  # replays the other engine's
+                    detok.add_token(token, can_stop=count > params.min_tokens)
             self.scheduler.add(request)
         self._requests[rid] = choices
         return rid
 
-    def _choice_generator(self, params: SamplingParams, index: int) -> torch.Generator:
-        """Choice ``index`` of a seeded request draws from ``seed + index``, on the device of
-        the logits (the sampler draws there); unseeded ones share the engine's generator."""
+    def _check_resume(self, resume: List[int], params: SamplingParams,
+                      num_prompt_tokens: int) -> List[int]:
+        if not resume:
+            return resume
+        if params.n != 1:
+            raise ValueError(f"resume_output_ids (a migrated request) needs n=1, got n={params.n}")
+        if len(resume) >= params.max_tokens:
+            raise ValueError(f"resume_output_ids holds {len(resume)} tokens: nothing is left "
+                             f"to generate within max_tokens={params.max_tokens}")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in resume if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"resume_output_ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return resume
+
+    def _choice_generator(self, params: SamplingParams, index: int,
+                          num_resumed: int = 0) -> torch.Generator:
+        """Choice ``index`` of a seeded request draws from ``seed + index`` (moved by the
+        number of resumed tokens), on the device of the logits (the sampler draws there);
+        unseeded ones share the engine's generator."""
         if params.seed is None:
             return self._generator
-        return torch.Generator(self._device).manual_seed((params.seed + index) % (1 << 64))
+        seed = params.seed + index + num_resumed * 0x9E3779B97F4A7C15
+        return torch.Generator(self._device).manual_seed(seed % (1 << 64))
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size

@@ -89,6 +89,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
+    def resume(self, output_token_ids: List[int]) -> None:
+        """Start from tokens another engine produced (a migrated request): they are output
+        already, computed again here like a preempted request's."""
+        assert not self.output_token_ids, "resume a request before it runs"
+        self.output_token_ids.extend(output_token_ids)
+        self.all_token_ids.extend(output_token_ids)
+
     def append_token(self, sampled: SampledToken) -> None:
         self.output_token_ids.append(sampled.token_id)
         self.all_token_ids.append(sampled.token_id)
