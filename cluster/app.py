@@ -36,6 +36,7 @@ class ServeConfig:
     placement_strategy: str = "PACK"  # of each group's ranks: PACK, SPREAD, STRICT_PACK/SPREAD
     router: str = "kv"  # "kv": tpserve's KV-aware router; "pow2": Serve's default (baseline)
     max_ongoing_requests: int = 256
+    max_migrations: int = 3  # re-sends of a request whose group failed while serving it
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_groups <= self.max_groups:
@@ -43,6 +44,8 @@ class ServeConfig:
                              f"{self.min_groups}:{self.max_groups}")
         if self.router not in ("kv", "pow2"):
             raise ValueError(f"router must be 'kv' or 'pow2', got {self.router!r}")
+        if self.max_migrations < 0:
+            raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if not 0.0 < self.kv_target_occupancy <= 1.0:
             raise ValueError(f"--kv-target-occupancy must be in (0, 1], got "
                              f"{self.kv_target_occupancy}")
@@ -125,4 +128,4 @@ def build_app(config: ServeConfig, cluster: Dict[str, float]):
     return build_ingress(groups, model_dir=str(model_dir), served_model_name=name,
                          block_size=engine.block_size,
                          max_model_len=served_context_length(engine, load_model_config(model_dir)),
-                         api_key=config.api_key)
+                         api_key=config.api_key, max_migrations=config.max_migrations)

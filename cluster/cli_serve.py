@@ -27,6 +27,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key", default=os.environ.get("TPSERVE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default $TPSERVE_API_KEY)")
     parser.add_argument("--served-model-name", default=None, help="model name in the API")
+    parser.add_argument("--max-migrations", type=int, default=3,
+                        help="re-sends of a request to another group when its group fails "
+                             "while serving it (the stream continues; 0: fail it)")
     parser.add_argument("--address", default=None,
                         help="join this Ray cluster instead of starting a local one")
     parser.set_defaults(func=run, seed=None)
@@ -41,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     min_groups, max_groups = parse_groups(args.groups)
     config = ServeConfig(engine=engine_config(args), min_groups=min_groups,
                          max_groups=max_groups, kv_target_occupancy=args.kv_target_occupancy,
-                         api_key=args.api_key, served_model_name=args.served_model_name)
+                         api_key=args.api_key, served_model_name=args.served_model_name,
+                         max_migrations=args.max_migrations)
     check_serve_config(config)  # before Ray starts: a bad configuration never deploys
     if args.address:
         ray.init(address=args.address)

@@ -80,6 +80,7 @@ class TPGroupServer:
             "waiting_tokens": load.num_waiting_tokens,
             "cached_block_hashes": list(load.cached_block_hashes),
             "accepted_ids": list(load.accepted_ids),
+            "engine_alive": self.engine.is_alive,
         }
 
     def record_autoscaling_stats(self) -> Dict[str, float]:

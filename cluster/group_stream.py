@@ -2,7 +2,9 @@
 
 The ingress calls a TP group's ``generate(payload, num_tokens=T, block_hashes=H)`` through a
 streaming ``DeploymentHandle``; the group streams ``stream_chunks(engine, payload)``. Payload:
-``{"request_id", "prompt_token_ids", "sampling": {SamplingParams fields}}``. Each chunk:
+``{"request_id", "prompt_token_ids", "sampling": {SamplingParams fields}}`` and, for a request
+migrated from a failed group, ``"resume_output_ids"`` (the tokens it already produced: the
+stream continues after them). Each chunk:
 ``{"request_id", "new_token_ids", "delta_text", "finished", "finish_reason",
 "num_prompt_tokens", "num_output_tokens", "logprobs", "index"}`` where ``logprobs`` covers the
 new tokens only (``[{"token_id", "logprob", "top_logprobs": [[id, lp], ...]}]``) and ``index``
@@ -62,7 +64,8 @@ async def stream_chunks(engine: AsyncLLMEngine, payload: Mapping[str, Any],
     params = sampling_params(payload["sampling"])
     want_logprobs = params.logprobs is not None
     outputs = engine.generate(list(payload["prompt_token_ids"]), params, payload["request_id"],
-                              routing_id=routing_id)
+                              routing_id=routing_id,
+                              resume_output_ids=list(payload.get("resume_output_ids", ())))
     async with aclosing(outputs):
         async for out in outputs:
             yield output_chunk(out, want_logprobs)

@@ -32,7 +32,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from cluster.group_stream import sampling_params
-from cluster.ingress_run import GroupStream, RequestRun
+from cluster.ingress_run import GroupStream, MigrationPolicy, RequestRun
 from cluster.metrics import (
     GroupRecord,
     IngressMetrics,
@@ -112,7 +112,8 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, group_handle: DeploymentHandle, model_dir: str, served_model_name: str,
-                 block_size: int, max_model_len: int, api_key: Optional[str] = None) -> None:
+                 block_size: int, max_model_len: int, api_key: Optional[str] = None,
+                 max_migrations: int = 3) -> None:
         if block_size < 1 or max_model_len < 2:
             raise ValueError(f"block_size must be >= 1 and max_model_len >= 2, got "
                              f"{block_size} and {max_model_len}")
@@ -126,6 +127,7 @@ class OpenAIIngress:
         self.vocab_size = load_model_config(Path(model_dir)).vocab_size
         self.metrics = IngressMetrics(served_model_name, max_model_len, export_to_ray=True)
         self._output_lengths = OutputLengthEstimate()  # what the router charges for outputs
+        self._migration = MigrationPolicy(max_migrations=max_migrations)
         self._store = get_metrics_store()
         self._created = int(time.time())
 
@@ -297,11 +299,17 @@ class OpenAIIngress:
         payload = {"request_id": fmt.request_id, "prompt_token_ids": prompt_ids,
                    "sampling": sampling}
         n = sampling["n"]
-        response = self._group.generate.remote(
-            payload, num_tokens=router_charge(len(prompt_ids), n, max_tokens,
-                                              self._output_lengths),
-            block_hashes=extend_block_hashes([], prompt_ids, self.block_size))
-        run = RequestRun(fmt, GroupStream(response, n), timer, len(prompt_ids), n,
+        charge = router_charge(len(prompt_ids), n, max_tokens, self._output_lengths)
+        block_hashes = extend_block_hashes([], prompt_ids, self.block_size)
+
+        def start(resume: List[int]):  # again, resumed, when the group serving it failed
+            sent = {**payload, "resume_output_ids": resume} if resume else payload
+            return self._group.generate.remote(sent, num_tokens=charge,
+                                               block_hashes=block_hashes)
+
+        stream = GroupStream(start([]), n, restart=start, policy=self._migration,
+                             on_migrate=self.metrics.record_migration)
+        run = RequestRun(fmt, stream, timer, len(prompt_ids), n,
                          sampling["logprobs"] is not None, self._token_text, self._record,
                          echo=echo, continuous_usage=body.continuous_usage)
         if body.stream:
@@ -336,7 +344,8 @@ class OpenAIIngress:
 
 
 def build_ingress(groups: Application, model_dir: str, served_model_name: str, block_size: int,
-                  max_model_len: int, api_key: Optional[str] = None) -> Application:
+                  max_model_len: int, api_key: Optional[str] = None,
+                  max_migrations: int = 3) -> Application:
     """The application: this ingress bound in front of the (bound) group deployment."""
     return OpenAIIngress.bind(groups, model_dir, served_model_name, block_size, max_model_len,
-                              api_key)
+                              api_key, max_migrations)

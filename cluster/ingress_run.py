@@ -8,6 +8,7 @@ choices and builds the JSON response (``collect``) or the stream of server-sent 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
@@ -49,13 +50,58 @@ def group_error(exc: BaseException) -> ProtocolError:
     return ProtocolError("internal server error", 500)
 
 
+def failure_reason(exc: BaseException) -> Optional[str]:
+    """Why a group call failed, if the group failed (``engine_dead``: its engine stopped;
+    ``actor_died``: its replica's process is gone); None for any other error."""
+    if isinstance(exc, EngineDeadError):
+        return "engine_dead"
+    if isinstance(exc, RayActorError):
+        return "actor_died"
+    return None
+
+
+@dataclass(frozen=True)
+class MigrationPolicy:
+    """How a request outlives its group. ``max_migrations``: re-sends after a group failed
+    while it held the request; an attempt that fails before its first chunk (the group was
+    already dead) is not one of them and is retried after a backoff that doubles from
+    ``first_backoff_s`` up to ``max_backoff_s``, for at most ``max_wait_s`` in all (the router
+    sends nothing to a group whose engine it knows dead, and waits for a replacement)."""
+
+    max_migrations: int = 3
+    first_backoff_s: float = 0.2
+    max_backoff_s: float = 2.0
+    max_wait_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_migrations < 0:
+            raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
+
+
+Restart = Callable[[List[int]], DeploymentResponseGenerator]
+
+
 class GroupStream:
     """One request's chunks from a TP group; ``cancel`` aborts it there (idempotent). It ends
-    when all ``num_choices`` choices have finished."""
+    when all ``num_choices`` choices have finished.
 
-    def __init__(self, response: DeploymentResponseGenerator, num_choices: int = 1) -> None:
+    With ``restart`` (called with the tokens produced so far), a group failure does not end
+    it: the request goes to another group, resumed after those tokens, and the chunks go on
+    where they stopped (one uninterrupted stream; greedy output equals the uninterrupted
+    run's). Requests of several choices move only before their first token."""
+
+    def __init__(self, response: DeploymentResponseGenerator, num_choices: int = 1,
+                 restart: Optional[Restart] = None, policy: MigrationPolicy = MigrationPolicy(),
+                 on_migrate: Callable[[str], None] = lambda reason: None) -> None:
         self._response = response
         self._num_unfinished = num_choices
+        self._num_choices = num_choices
+        self._restart = restart
+        self._policy = policy
+        self._on_migrate = on_migrate
+        self._tokens: List[int] = []  # produced so far (choice 0 of a one-choice request)
+        self._attempt_has_chunks = False
+        self.num_migrations = 0
         self.finished = False
 
     def __aiter__(self) -> "GroupStream":
@@ -64,18 +110,51 @@ class GroupStream:
     async def __anext__(self) -> Dict[str, Any]:
         if self.finished:
             raise StopAsyncIteration
-        try:
-            chunk = await self._response.__anext__()
-        except StopAsyncIteration:
-            self.finished = True
-            raise ProtocolError("the TP group ended the stream before the request finished",
-                                500) from None
-        except Exception as exc:
-            self.finished = True
-            raise group_error(exc) from exc
+        waited_s, num_waits = 0.0, 0
+        while True:
+            try:
+                chunk = await self._response.__anext__()
+                break
+            except StopAsyncIteration:
+                self.finished = True
+                raise ProtocolError("the TP group ended the stream before the request "
+                                    "finished", 500) from None
+            except Exception as exc:
+                delay = self._retry_delay(exc, waited_s, num_waits)
+                if delay is None:
+                    self.finished = True
+                    raise group_error(exc) from exc
+                await asyncio.sleep(delay)
+                waited_s, num_waits = waited_s + delay, num_waits + (delay > 0)
+                self._response = self._restart(list(self._tokens))  # type: ignore[misc]
+                self._attempt_has_chunks = False
+        self._attempt_has_chunks = True
+        if self._num_choices == 1:
+            self._tokens.extend(chunk["new_token_ids"])
         self._num_unfinished -= bool(chunk["finished"])
         self.finished = self._num_unfinished == 0
         return chunk
+
+    def _retry_delay(self, exc: BaseException, waited_s: float,
+                     num_waits: int) -> Optional[float]:
+        """Seconds to wait before sending the request again, or None to fail it."""
+        reason = failure_reason(exc)
+        if reason is None or self._restart is None:
+            return None
+        if self._num_choices > 1 and (self._tokens or self._attempt_has_chunks):
+            return None  # several choices: no resume once they started
+        policy = self._policy
+        if self._attempt_has_chunks:  # the group failed while it held the request
+            if self.num_migrations >= policy.max_migrations:
+                return None
+            self.num_migrations += 1
+            self._on_migrate(reason)
+            logger.warning("migrating a request after %d tokens: %s", len(self._tokens), exc)
+            return 0.0
+        if waited_s >= policy.max_wait_s:
+            return None
+        self._on_migrate(f"{reason}_before_start")
+        return min(policy.max_backoff_s, policy.first_backoff_s * 2 ** num_waits)
 
     def cancel(self) -> None:
         if not self.finished:

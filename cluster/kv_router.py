@@ -30,6 +30,9 @@ are this router's. Acceptance is only seen through Serve's rejection protocol (o
 caller is a Ray Client or Java): without it charges stay on the first choice and no reasons are
 counted.
 
+A replica whose report says its engine died (``"engine_alive": false``, optional) is never
+ranked: its health check fails within a period and Serve replaces it; when every replica is
+such, no replica is returned and Serve asks again (with its backoff) until a replacement runs.
 Replicas without a usable report (just started, or a malformed report, which is logged once)
 rank last, together, so Serve picks among them by queue length: a new group gets traffic once it
 reports, or when every reported group is full. When no replica has a report (right after
@@ -86,6 +89,7 @@ FALLBACK_NO_NUM_TOKENS = "fallback_no_num_tokens"  # no num_tokens kwarg: not a 
 FALLBACK_BAD_DEMAND = "fallback_bad_demand"  # num_tokens / block_hashes / block_size unusable
 FALLBACK_NO_REPORTS = "fallback_no_reports"  # no replica has reported its load yet
 NO_REPORT = "no_report"  # placed on a replica without a report (every reported one was full)
+NO_HEALTHY_GROUP = "no_healthy_group"  # every replica reported a dead engine: none is ranked
 
 REPORT_KEYS = (
     "seq",
@@ -385,6 +389,11 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self._remember(request_id, _PendingDecision(0, None, FALLBACK_NO_NUM_TOKENS))
             return await self._power_of_two(candidate_replicas, pending_request)
         ranks, decision = self._rank(candidate_replicas, pending_request.kwargs, num_tokens)
+        if ranks == []:  # every group's engine died: Serve asks again until a replacement runs
+            # Without this flag Serve's routing loop asks again at once and never yields its
+            # event loop: the replica update that brings the replacement would never arrive.
+            pending_request.routing_context.should_backoff = True
+            return []
         if ranks is None:
             self._remember(request_id, decision)
             return await self._power_of_two(candidate_replicas, pending_request)
@@ -410,7 +419,12 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         by_group: Dict[str, RunningReplica] = {}
         unreported: List[RunningReplica] = []
         trackers = self._trackers
+        num_dead = 0
         for replica in candidate_replicas:
+            stats = replica.routing_stats
+            if stats and stats.get("engine_alive") is False:
+                num_dead += 1  # its health check is about to fail: never send it a request
+                continue
             replica_id = replica.replica_id
             tracker = trackers.get(replica_id.unique_id) or self._tracker(replica_id)
             load = tracker.observe(replica.routing_stats, now)
@@ -419,6 +433,8 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             else:
                 loads.append(load)
                 by_group[load.group_id] = replica
+        if not loads and not unreported and num_dead:
+            return [], _PendingDecision(0, None, NO_HEALTHY_GROUP)
         if not loads:
             # Still charged where it lands: the first reports then start from the right count.
             valid = isinstance(num_tokens, int) and num_tokens >= 0

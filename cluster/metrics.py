@@ -322,6 +322,9 @@ class IngressMetrics:
                                          registry=reg)
         self.success = Counter(PREFIX + "request_success", "Finished requests by reason",
                                lbl + ["finished_reason"], registry=reg)
+        self.migrations = Counter(PREFIX + "request_migrations",
+                                  "Requests sent again to another group after theirs failed",
+                                  lbl + ["reason"], registry=reg)
         self._mirror = RayMetricsMirror() if export_to_ray else None
 
     def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> _HistogramSpec:
@@ -348,6 +351,13 @@ class IngressMetrics:
         if self._mirror is not None:
             self._mirror.request(name, observations, finished_reason, num_prompt_tokens,
                                  num_generation_tokens)
+
+    def record_migration(self, reason: str) -> None:
+        """A request went to another group (``reason``: engine_dead, actor_died, ...)."""
+        self.migrations.labels(self.model_name, reason).inc()
+        if self._mirror is not None:
+            self._mirror.counter(PREFIX + "request_migrations", 1,
+                                 {"model_name": self.model_name, "reason": reason})
 
     def render(self, groups: Mapping[str, GroupRecord],
                router_counts: Mapping[str, int]) -> bytes:

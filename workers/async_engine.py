@@ -84,22 +84,25 @@ class AsyncLLMEngine:
         return self._error
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                       routing_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       routing_id: Optional[str] = None,
+                       resume_output_ids: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (of all its ``n`` choices, each tagged with its
         ``index``); cancelling the iteration aborts the request. ``routing_id``: the id the
-        router charged the request under (listed in ``load.accepted_ids``)."""
+        router charged the request under (listed in ``load.accepted_ids``);
+        ``resume_output_ids``: see ``LLMEngine.add_request`` (a migrated request)."""
         if not self.is_alive:
             raise EngineDeadError(f"engine is not running: {self._error}")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, outputs)
         added: Future = Future()
-        num_tokens = 0 if isinstance(prompt, str) else len(prompt)
+        num_tokens = (0 if isinstance(prompt, str) else len(prompt)) + len(resume_output_ids)
         with self._ledger_lock:
             self._queued_tokens += num_tokens
             if routing_id:
                 self._accepted.append((time.monotonic(), routing_id))
-            self._commands.put(("add", (prompt, params, request_id, num_tokens), added))
+            self._commands.put(("add", (prompt, params, request_id, num_tokens,
+                                        tuple(resume_output_ids)), added))
         num_unfinished = params.n  # the stream ends when every choice has finished
         try:
             await asyncio.wrap_future(added)  # raises ValueError on bad input
@@ -153,7 +156,8 @@ class AsyncLLMEngine:
     def _apply(self, name: str, args: tuple, done: Optional[Future]) -> None:
         if name == "add":
             try:
-                self.engine.add_request(args[0], args[1], request_id=args[2])
+                self.engine.add_request(args[0], args[1], request_id=args[2],
+                                        resume_output_ids=args[4])
             except ValueError as exc:
                 self._dequeued(args[3])
                 done.set_exception(exc)

@@ -359,3 +359,14 @@ def test_requests_avoid_the_replica_above_target(serve_app):
         time.sleep(0.1)
     assert {g: load.num_tokens_sent_since_report for g, load in router.group_loads().items()
             } == {g: 0 for g in router.group_loads()}
+
+
+def test_replicas_whose_engine_died_are_never_ranked(router):
+    dead = StandInReplica("dead", stats(1, 0, engine_alive=False))
+    busy = StandInReplica("busy", stats(1, 90))
+    assert choose(router, [dead, busy], request("r1", num_tokens=16)) == [["busy"]]
+    # Every engine dead: no replica, and Serve must back off before asking again (else its
+    # routing loop spins without yielding and never sees the replacement arrive).
+    pending = request("r2", num_tokens=16)
+    assert choose(router, [dead], pending) == []
+    assert pending.routing_context.should_backoff
