@@ -104,6 +104,11 @@ class TPGroupServer:
         stop: Optional[threading.Event] = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+            try:  # stopping on purpose: the store must not count this group as lost
+                get_metrics_store().remove.remote(self.group_id)
+            except Exception:
+                logger.warning("could not tell the metrics store that group %s stops",
+                               getattr(self, "group_id", "?"))
         engine: Optional[AsyncLLMEngine] = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
@@ -126,5 +131,6 @@ def group_metrics_snapshot(engine: AsyncLLMEngine) -> Dict:
         "prefix_cache_hits_total": kv.num_prefix_hits,
         "num_preemptions_total": eng.scheduler.num_preemptions,
         "allreduce_latency_seconds": eng.rank.tp.all_reduce_latency.drain(),
+        "collective_errors_total": eng.rank.tp.num_collective_errors,
         **eng.kv_tier_stats(),
     }
