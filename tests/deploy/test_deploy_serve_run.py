@@ -5,7 +5,7 @@ The test runs Serve's own `serve run` CLI on a copy of deploy/ray/serve.yaml in 
 this machine cannot take is replaced (`serve run` ignores key=value overrides for a config file):
 the model (a tiny checkpoint built here), `device: cpu`, sizes in blocks instead of GiB (KV pool
 and tiers), `max_model_len`, the disk tier's directory and the HTTP port. Everything else (import
-path, TP 2, groups "1:4", KV target, eviction, `api_key_env`) runs as written.
+path, TP 2, groups "1:8", KV target, eviction, `api_key_env`) runs as written.
 """
 
 from __future__ import annotations
@@ -117,11 +117,11 @@ def served(tiny_llama, tmp_path_factory):
 
 def test_serve_run_of_the_config_file_answers_the_openai_client(served):
     client = openai.OpenAI(base_url=f"{served}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-    assert [m.id for m in client.models.list().data] == ["llama-3.1-8b-instruct"]
-    out = client.completions.create(model="llama-3.1-8b-instruct", prompt="the quick brown",
+    assert [m.id for m in client.models.list().data] == ["qwen2.5-7b-instruct"]
+    out = client.completions.create(model="qwen2.5-7b-instruct", prompt="the quick brown",
                                     max_tokens=8, temperature=0)
     assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
-    chat = client.chat.completions.create(model="llama-3.1-8b-instruct", max_tokens=4,
+    chat = client.chat.completions.create(model="qwen2.5-7b-instruct", max_tokens=4,
                                           messages=[{"role": "user", "content": "hello"}])
     assert chat.usage.completion_tokens >= 1
     # The key named by api_key_env is enforced.
@@ -132,7 +132,7 @@ def test_serve_run_of_the_config_file_answers_the_openai_client(served):
 
 def test_every_metric_the_alerts_and_dashboard_query_is_exposed(served):
     client = openai.OpenAI(base_url=f"{served}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-    client.completions.create(model="llama-3.1-8b-instruct", prompt="hello", max_tokens=2)
+    client.completions.create(model="qwen2.5-7b-instruct", prompt="hello", max_tokens=2)
     wanted = set()
     for expr in alert_exprs(read_alerts()).values():
         wanted |= metric_names(expr)
