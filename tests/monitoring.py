@@ -15,7 +15,7 @@ DASHBOARD = REPO / "deploy" / "grafana" / "tpserve.json"
 
 
 def metric_names(expr: str) -> Set[str]:
-    """Every metric name a PromQL expression selects (raises ``ValueError`` if it does not parse)."""
+    """Every metric name a PromQL expression selects (``ValueError`` if it does not parse)."""
     import promql_parser
 
     names: Set[str] = set()

@@ -58,7 +58,6 @@ def test_collective_errors_reach_the_text_as_a_counter():
     metrics = m.IngressMetrics("model", max_model_len=64)
     store = m.MetricsStore()
     store.push("g1", {"engine_alive": 1.0, "collective_errors_total": 2})
-    samples = {s.name: s.value
-               for f in text_string_to_metric_families(metrics.render(store.snapshot(), {}).decode())
-               for s in f.samples}
+    text = metrics.render(store.snapshot(), {}).decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert samples["tpserve:collective_errors_total"] == 2.0

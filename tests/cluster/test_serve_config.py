@@ -49,8 +49,10 @@ def test_defaults_are_tpserve_serves():
     ({"disk_kv_dir": "/d", "disk_kv_gb": 1}, "args.disk_kv_dir needs a host tier"),
     ({"api_key": "s3cret"}, "args.api_key: not an application arg"),
     ({"port": 9000}, "args.port: not an application arg; it comes from the file's http_options"),
-    ({"api_key_env": "UNSET_VAR"}, "args.api_key_env: the environment variable UNSET_VAR is not set"),
-    ({"api_key_env": "not a name"}, "args.api_key_env: expected the name of an environment variable"),
+    ({"api_key_env": "UNSET_VAR"},
+     "args.api_key_env: the environment variable UNSET_VAR is not set"),
+    ({"api_key_env": "not a name"},
+     "args.api_key_env: expected the name of an environment variable"),
 ])
 def test_bad_args_name_the_key(args, words):
     with pytest.raises(ValueError) as info:

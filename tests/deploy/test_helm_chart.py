@@ -90,7 +90,8 @@ def check_rendered(docs: List[Dict]) -> None:
     jsonschema.validate(service, schema)
     assert unknown_fields(service, schema) == []
     cluster = service["spec"]["rayClusterConfig"]
-    for template in [cluster["headGroupSpec"]["template"]] + [g["template"] for g in workers(service)]:
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in workers(service)]
+    for template in templates:
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", **template["metadata"]},
                "spec": template["spec"]}
         kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
@@ -267,9 +268,11 @@ def test_values_the_schema_refuses(values, words):
 @pytest.mark.parametrize("values,words", [
     ({"serve": {"groups": {"min": 4, "max": 2}}},
      r"serve.groups.min \(4\) must not exceed serve.groups.max \(2\)"),
-    ({"autoscaling": {"enabled": False}}, r"serve.groups.min \(1\) and serve.groups.max \(4\) differ"),
+    ({"autoscaling": {"enabled": False}},
+     r"serve.groups.min \(1\) and serve.groups.max \(4\) differ"),
     ({"worker": {"gpusPerPod": 3}}, r"worker.gpusPerPod \(3\) must be a multiple or a divisor"),
-    ({"serve": {"tiers": {"disk": {"enabled": True}}}}, "serve.tiers.disk.enabled needs a host tier"),
+    ({"serve": {"tiers": {"disk": {"enabled": True}}}},
+     "serve.tiers.disk.enabled needs a host tier"),
     ({"serve": {"extraArgs": {"tp": 4}}}, "serve.extraArgs.tp is set by the chart"),
     ({"serve": {"model": {"path": "/elsewhere/m"}}}, "serve.model.path"),
     ({"serve": {"model": {"pvc": {"claimName": ""}}}}, "serve.model.pvc.claimName"),
