@@ -22,7 +22,7 @@ from ray import serve
 
 from cluster.autoscaling import KV_USAGE_METRIC
 from cluster.group_stream import stream_chunks
-from cluster.metrics import get_metrics_store
+from cluster.metrics import existing_metrics_store, get_metrics_store
 from cluster.rank_actor import RayRankActors
 from workers.async_engine import AsyncLLMEngine
 from workers.config import EngineConfig
@@ -105,10 +105,12 @@ class TPGroupServer:
         if stop is not None:
             stop.set()
             try:  # stopping on purpose: the store must not count this group as lost
-                get_metrics_store().remove.remote(self.group_id)
+                store = existing_metrics_store()  # at teardown it may be gone: never recreate it
+                if store is not None:
+                    store.remove.remote(self.group_id)
             except Exception:
                 logger.warning("could not tell the metrics store that group %s stops",
-                               getattr(self, "group_id", "?"))
+                               self.group_id)
         engine: Optional[AsyncLLMEngine] = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -481,6 +481,14 @@ def get_metrics_store(namespace: str = METRICS_NAMESPACE, stale_after_s: float =
                                                        export_to_ray=True)
 
 
+def existing_metrics_store(namespace: str = METRICS_NAMESPACE):
+    """The cluster's ``MetricsStoreActor`` if it exists (never creates one), else None."""
+    try:
+        return ray.get_actor(METRICS_STORE_NAME, namespace=namespace)
+    except ValueError:
+        return None
+
+
 def kill_metrics_store(namespace: str = METRICS_NAMESPACE) -> None:
     try:
         ray.kill(ray.get_actor(METRICS_STORE_NAME, namespace=namespace))
