@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
     try:
-        serve.start(http_options={"host": plan.host, "port": plan.port})
+        serve.start(http_options={"host": plan.host, "port": plan.port},
+                    grpc_options=plan.grpc_options)
         try:
             serve.run(build_app(plan.config, ray.cluster_resources()), name=plan.app_name,
                       route_prefix=plan.route_prefix)

@@ -104,9 +104,11 @@ class TPGroupServer:
         stop: Optional[threading.Event] = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
-            try:  # stopping on purpose: the store must not count this group as lost
+            try:
+                # Stopping on purpose: the store must not count this group as lost. A dead
+                # group's record stays until it goes stale, so a scrape still sees its errors.
                 store = existing_metrics_store()  # at teardown it may be gone: never recreate it
-                if store is not None:
+                if store is not None and self.engine.is_alive:
                     store.remove.remote(self.group_id)
             except Exception:
                 logger.warning("could not tell the metrics store that group %s stops",

@@ -46,6 +46,7 @@ class ServePlan:
     port: int = 8000
     app_name: str = "tpserve"
     route_prefix: str = "/"
+    grpc_options: Optional[Dict[str, Any]] = None  # the file's, for Serve's gRPC proxy
 
     @property
     def base_url(self) -> str:
@@ -177,7 +178,8 @@ def plan_from_file(path: Path, changed_options: Sequence[str] = ()) -> ServePlan
     except ValueError as exc:
         raise ValueError(f"{path}, application {app.name!r}: {exc}") from None
     return ServePlan(config, host=schema.http_options.host, port=schema.http_options.port,
-                     app_name=app.name, route_prefix=app.route_prefix or "/")
+                     app_name=app.name, route_prefix=app.route_prefix or "/",
+                     grpc_options=schema.grpc_options.model_dump())
 
 
 def read_config_file(path: Path):

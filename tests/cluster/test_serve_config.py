@@ -66,6 +66,7 @@ def test_the_shipped_file_is_read_as_serve_reads_it(monkeypatch):
     assert plan.app_name == "tpserve" and (plan.host, plan.port) == ("0.0.0.0", 8000)
     assert plan.config.engine.tp_size == 2 and plan.config.api_key == "k"
     assert plan.config.engine.device == "cuda" and plan.config.engine.disk_kv_dir
+    assert plan.grpc_options["port"] == 9000
     text = SERVE_YAML.read_text()
     assert IMPORT_PATH in text and "TPSERVE_API_KEY" in text
 

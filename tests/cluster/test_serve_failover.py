@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.request
 
 import pytest
 
@@ -45,6 +46,8 @@ def test_killed_rank_fails_the_stream_and_the_group_is_replaced(client):
                 os.kill(pid, signal.SIGKILL)  # rank 1 crashes mid-generation
     assert time.monotonic() - started < 60  # failed fast, did not hang on the collective
     assert received < 240
+    # The failed collective is counted; the alerts on collective errors read this.
+    assert wait_for_metric(client, "tpserve:collective_errors_total", timeout_s=30) >= 1
 
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # Serve replaces the whole group (new rank actor too)
@@ -61,3 +64,21 @@ def test_killed_rank_fails_the_stream_and_the_group_is_replaced(client):
     assert len(rank_pids()) == 2
     status = serve.status().applications["tpserve"].deployments["TPGroup"].status
     assert status == "HEALTHY"
+    # ... and so is the group's failure (the "group replica restarting" alert).
+    assert wait_for_metric(client, "tpserve:group_failures_total", timeout_s=30) >= 1
+
+
+def wait_for_metric(client, name: str, timeout_s: float) -> float:
+    """The sum over label sets of ``name`` in /metrics, once it is above 0 (or at the timeout)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = str(client.base_url).rstrip("/").removesuffix("/v1") + "/metrics"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        total = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name == name)
+        if total > 0 or time.monotonic() > deadline:
+            return total
+        time.sleep(0.5)
