@@ -8,17 +8,28 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from cluster.cli_generate import add_engine_arguments, engine_config
 
 logger = logging.getLogger(__name__)
 
-APP_NAME = "tpserve"
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="serve a model with an OpenAI-compatible API")
     add_engine_arguments(parser)
+    add_serve_arguments(parser)
+    parser.add_argument("--address", default=None,
+                        help="join this Ray cluster instead of starting a local one")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="a Serve config file (deploy/ray/serve.yaml): its application's args "
+                             "and http_options replace the other options (only --address mixes)")
+    parser.set_defaults(func=run, seed=None)
+    parser.set_defaults(option_defaults=vars(parser.parse_args([])))
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `serve` beyond the engine's (also the keys of a Serve config file's args)."""
     parser.add_argument("--groups", default="1", help="TP groups: N, or MIN:MAX to autoscale")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
@@ -30,38 +41,36 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-migrations", type=int, default=3,
                         help="re-sends of a request to another group when its group fails "
                              "while serving it (the stream continues; 0: fail it)")
-    parser.add_argument("--address", default=None,
-                        help="join this Ray cluster instead of starting a local one")
-    parser.set_defaults(func=run, seed=None)
 
 
 def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import ServeConfig, build_app, check_serve_config, parse_groups
+    from cluster.app import build_app, check_serve_config
+    from cluster.serve_config import plan_from_cli, plan_from_file
 
-    min_groups, max_groups = parse_groups(args.groups)
-    config = ServeConfig(engine=engine_config(args), min_groups=min_groups,
-                         max_groups=max_groups, kv_target_occupancy=args.kv_target_occupancy,
-                         api_key=args.api_key, served_model_name=args.served_model_name,
-                         max_migrations=args.max_migrations)
-    check_serve_config(config)  # before Ray starts: a bad configuration never deploys
+    if args.config is not None:
+        plan = plan_from_file(args.config, changed_options(args))
+    else:
+        plan = plan_from_cli(args, engine_config(args))
+    check_serve_config(plan.config)  # before Ray starts: a bad configuration never deploys
     if args.address:
         ray.init(address=args.address)
     else:
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": plan.host, "port": plan.port},
+                    grpc_options=plan.grpc_options)
         try:
-            serve.run(build_app(config, ray.cluster_resources()), name=APP_NAME,
-                      route_prefix="/")
+            serve.run(build_app(plan.config, ray.cluster_resources()), name=plan.app_name,
+                      route_prefix=plan.route_prefix)
         except RuntimeError as exc:  # Serve gave up on a deployment (its replicas kept failing)
             print(f"tpserve serve: error: the application failed to deploy: {exc}",
                   file=sys.stderr)
             return 1
-        print(f"tpserve: serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
-        return _serve_until_stopped()
+        print(f"tpserve: serving on {plan.base_url} (Ctrl-C stops)", flush=True)
+        return _serve_until_stopped(plan.app_name)
     finally:
         from cluster.metrics import kill_metrics_store
 
@@ -70,7 +79,15 @@ def run(args: argparse.Namespace) -> int:
         ray.shutdown()
 
 
-def _serve_until_stopped(check_every_s: float = 5.0) -> int:
+def changed_options(args: argparse.Namespace) -> list:
+    """The options given a value other than their default (refused beside --config)."""
+    defaults = args.option_defaults
+    return sorted(name for name, default in defaults.items()
+                  if name not in ("config", "address", "func", "seed", "option_defaults")
+                  and getattr(args, name) != default)
+
+
+def _serve_until_stopped(app_name: str, check_every_s: float = 5.0) -> int:
     """Until SIGINT or SIGTERM (exit 0), or until Serve reports that the application failed to
     deploy (exit 1, saying why); a group replaced after a failure is not a deploy failure."""
     from ray import serve
@@ -80,7 +97,7 @@ def _serve_until_stopped(check_every_s: float = 5.0) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(check_every_s):
-        app = serve.status().applications.get(APP_NAME)
+        app = serve.status().applications.get(app_name)
         if app is not None and app.status == ApplicationStatus.DEPLOY_FAILED:
             print(f"tpserve serve: error: the application failed to deploy: {app.message}",
                   file=sys.stderr)

@@ -22,7 +22,7 @@ from ray import serve
 
 from cluster.autoscaling import KV_USAGE_METRIC
 from cluster.group_stream import stream_chunks
-from cluster.metrics import get_metrics_store
+from cluster.metrics import existing_metrics_store, get_metrics_store
 from cluster.rank_actor import RayRankActors
 from workers.async_engine import AsyncLLMEngine
 from workers.config import EngineConfig
@@ -107,6 +107,15 @@ class TPGroupServer:
         stop: Optional[threading.Event] = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+            try:
+                # Stopping on purpose: the store must not count this group as lost. A dead
+                # group's record stays until it goes stale, so a scrape still sees its errors.
+                store = existing_metrics_store()  # at teardown it may be gone: never recreate it
+                if store is not None and self.engine.is_alive:
+                    store.remove.remote(self.group_id)
+            except Exception:
+                logger.warning("could not tell the metrics store that group %s stops",
+                               self.group_id)
         engine: Optional[AsyncLLMEngine] = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
@@ -136,5 +145,6 @@ def group_metrics_snapshot(engine: AsyncLLMEngine) -> Dict:
         "prefix_cache_hits_total": kv.num_prefix_hits,
         "num_preemptions_total": eng.scheduler.num_preemptions,
         "allreduce_latency_seconds": eng.rank.tp.all_reduce_latency.drain(),
+        "collective_errors_total": eng.rank.tp.num_collective_errors,
         **eng.kv_tier_stats(),
     }

@@ -214,7 +214,13 @@ class OpenAIIngress:
     @app.get("/metrics")
     async def metrics_text(self) -> Response:
         groups = await self._group_records()
-        return Response(self.metrics.render(groups, router_decision_counts()),
+        try:
+            failures = await asyncio.wait_for(self._store.group_failures.remote(),
+                                              METRICS_STORE_TIMEOUT_S)
+        except Exception as exc:  # the store is gone or slow: leave the counter out
+            logger.warning("metrics store unavailable (%s); group failures omitted", exc)
+            failures = None
+        return Response(self.metrics.render(groups, router_decision_counts(), failures),
                         media_type=CONTENT_TYPE_LATEST)
 
     # ----- checks -----

@@ -57,6 +57,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 COLLECTIVE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
                       5e-2, 0.1, 0.25, 0.5, 1.0)
 
+GROUP_FAILURE_CAUSES = ("engine_died", "lost")
+
 # Snapshot keys with a vLLM counterpart: key -> (name without prefix, kind). Other numeric keys
 # (the KV tiers' among them) are exported by their own name: a counter when they end in
 # ``_total``, else a gauge; list-valued keys are samples for a histogram.
@@ -137,11 +139,16 @@ class MetricsStore:
 
     A group that has not pushed for ``stale_after_s`` (its replica died or was replaced) is
     dropped, so a dead group's gauges do not linger. ``export_to_ray`` also mirrors every push
-    to Ray's metrics export (set in the actor; off in plain tests)."""
+    to Ray's metrics export (set in the actor; off in plain tests).
+
+    Group failures, each of which makes Serve replace (restart) the group's replica, are counted
+    by cause: ``engine_died`` (a report of a dead engine after a live one) and ``lost`` (a live
+    group that stopped reporting without ``remove``, which a replica stopping on purpose calls)."""
 
     def __init__(self, stale_after_s: float = 30.0, export_to_ray: bool = False) -> None:
         self.stale_after_s = stale_after_s
         self._groups: Dict[str, GroupRecord] = {}
+        self._failures: Dict[str, int] = {cause: 0 for cause in GROUP_FAILURE_CAUSES}
         self._mirror = RayMetricsMirror() if export_to_ray else None
 
     def push(self, group_id: str, snapshot: Mapping[str, Any]) -> None:
@@ -157,8 +164,24 @@ class MetricsStore:
                 self._observe(group_id, record, key, value)
             elif _is_number(value):
                 record.values[key] = float(value)
+        if previous.get("engine_alive") == 1.0 and record.values.get("engine_alive") == 0.0:
+            self._count_failure("engine_died")
         if self._mirror is not None:
             self._mirror.group_values(group_id, previous, record.values)
+
+    def remove(self, group_id: str) -> None:
+        """A group stopping on purpose (scale-down, redeploy, shutdown): not a failure."""
+        self._groups.pop(group_id, None)
+
+    def group_failures(self) -> Dict[str, int]:
+        """Failures by cause since the store started (see the class docstring)."""
+        self._drop_stale()
+        return dict(self._failures)
+
+    def _count_failure(self, cause: str) -> None:
+        self._failures[cause] += 1
+        if self._mirror is not None:
+            self._mirror.counter(PREFIX + "group_failures", 1, {"cause": cause})
 
     def _observe(self, group_id: str, record: GroupRecord, key: str,
                  samples: Sequence[Any]) -> None:
@@ -174,11 +197,15 @@ class MetricsStore:
 
     def snapshot(self) -> Dict[str, GroupRecord]:
         """Every live group's record (copied by Ray when called through the actor)."""
+        self._drop_stale()
+        return dict(self._groups)
+
+    def _drop_stale(self) -> None:
         now = time.monotonic()
         for group_id in [g for g, r in self._groups.items()
                          if now - r.pushed_at > self.stale_after_s]:
-            del self._groups[group_id]
-        return dict(self._groups)
+            if self._groups.pop(group_id).values.get("engine_alive") == 1.0:
+                self._count_failure("lost")
 
     def serving_groups(self, max_age_s: float) -> List[str]:
         """Groups whose engine was alive in a report at most ``max_age_s`` old (this actor's
@@ -359,10 +386,18 @@ class IngressMetrics:
             self._mirror.counter(PREFIX + "request_migrations", 1,
                                  {"model_name": self.model_name, "reason": reason})
 
-    def render(self, groups: Mapping[str, GroupRecord],
-               router_counts: Mapping[str, int]) -> bytes:
-        """The Prometheus text of the ingress, every group and the routers."""
+    def render(self, groups: Mapping[str, GroupRecord], router_counts: Mapping[str, int],
+               group_failures: Optional[Mapping[str, int]] = None) -> bytes:
+        """The Prometheus text of the ingress, every group, the routers and the group failures
+        (``MetricsStore.group_failures``; None when the store could not be reached)."""
         families = group_metric_families(groups, self.model_name)
+        if group_failures is not None:
+            failures = CounterMetricFamily(
+                PREFIX + "group_failures", "TP group failures (Serve restarts the replica)",
+                labels=["model_name", "cause"])
+            for cause, n in sorted(group_failures.items()):
+                failures.add_metric([self.model_name, cause], n)
+            families.append(failures)
         decisions = CounterMetricFamily(PREFIX + "router_decisions",
                                         "Placement decisions by reason", labels=["reason"])
         for reason, n in sorted(router_counts.items()):
@@ -454,6 +489,14 @@ def get_metrics_store(namespace: str = METRICS_NAMESPACE, stale_after_s: float =
                    lifetime="detached", num_cpus=0)
     return MetricsStoreActor.options(**options).remote(stale_after_s=stale_after_s,
                                                        export_to_ray=True)
+
+
+def existing_metrics_store(namespace: str = METRICS_NAMESPACE):
+    """The cluster's ``MetricsStoreActor`` if it exists (never creates one), else None."""
+    try:
+        return ray.get_actor(METRICS_STORE_NAME, namespace=namespace)
+    except ValueError:
+        return None
 
 
 def kill_metrics_store(namespace: str = METRICS_NAMESPACE) -> None:

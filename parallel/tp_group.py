@@ -10,16 +10,20 @@ they have completed (see ``parallel.latency``): the timing never makes the host 
 A sample is then the collective's time on the device, from the stream reaching it (after the work
 queued before it) to its end, waiting for the slowest rank included.
 
+Every collective that raises (a peer died, the group timed out) is counted
+(``num_collective_errors``) before the error goes on up: the serving layer exports the count.
+
 A group of size 1 has no process groups and every collective is a no-op.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from datetime import timedelta
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -62,6 +66,7 @@ class TPGroup:
     device_group: Optional[dist.ProcessGroup] = None
     all_reduce_latency: LatencyRecorder = field(default_factory=LatencyRecorder)
     all_reduce_timing_interval: int = 64  # on CUDA, time one all-reduce in this many
+    num_collective_errors: int = 0  # collectives of this rank that raised
     _event_timer: Optional[SampledEventTimer] = field(default=None, init=False, repr=False,
                                                       compare=False)
 
@@ -75,10 +80,23 @@ class TPGroup:
     def is_first(self) -> bool:
         return self.rank == 0
 
+    @contextlib.contextmanager
+    def counting_errors(self) -> Iterator[None]:
+        """Around a collective (this group's or one on ``cpu_group``): counts it if it raises."""
+        try:
+            yield
+        except Exception:
+            self.num_collective_errors += 1
+            raise
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks in place (timed); returns it."""
         if self.world_size == 1:
             return tensor
+        with self.counting_errors():
+            return self._all_reduce(tensor)
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._event_timer is not None:
             start_event = self._event_timer.start()
             dist.all_reduce(tensor, group=self.device_group)
@@ -97,8 +115,9 @@ class TPGroup:
         parts: Optional[List[torch.Tensor]] = None
         if self.is_first:
             parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.gather(tensor, parts, dst=dist.get_global_rank(self.device_group, 0),
-                    group=self.device_group)
+        with self.counting_errors():
+            dist.gather(tensor, parts, dst=dist.get_global_rank(self.device_group, 0),
+                        group=self.device_group)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def destroy(self) -> None:

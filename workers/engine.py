@@ -277,7 +277,8 @@ class LLMEngine:
         if not (plan.seqs or plan.freed_ids or plan.tier_ops
                 or (tiers is not None and tiers.has_outstanding)):
             return None, None
-        broadcast_plan(plan, self.rank.tp.cpu_group)
+        with self.rank.tp.counting_errors():
+            broadcast_plan(plan, self.rank.tp.cpu_group)
         return execute_plan(self.rank, plan)
 
     def _maybe_snapshot(self, force: bool = False) -> None:
@@ -297,7 +298,8 @@ class LLMEngine:
         tiers = self.scheduler.kv.tiers
         while tiers is not None and tiers.has_outstanding:
             plan = StepPlan(tier_ops=tiers.take_ops(), wait_transfers=True)
-            broadcast_plan(plan, self.rank.tp.cpu_group)
+            with self.rank.tp.counting_errors():
+                broadcast_plan(plan, self.rank.tp.cpu_group)
             _, results = execute_plan(self.rank, plan)
             if results is not None:
                 tiers.commit(results)

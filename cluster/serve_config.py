@@ -1,0 +1,200 @@
+"""The application of a Serve config file: ``import_path: cluster.serve_config:app_builder``.
+
+``serve run FILE``, ``serve deploy FILE`` and ``tpserve serve --config FILE`` build the same
+application as ``tpserve serve`` from the ``args`` of the file's application. The keys of ``args``
+are the ``tpserve serve`` options spelled with underscores (``model``, ``tp``, ``groups``,
+``kv_target_occupancy``, ``host_kv_gb``, ``disk_kv_dir``, ...), each a value of the option's
+type; an unknown key or a value of the wrong type is an error naming the key. Three options are
+not args: where Serve listens is the file's ``http_options``, and the API key is never written in
+the file: ``api_key_env`` names the environment variable that holds it, read where the
+application is built (on the Ray head for ``serve deploy``).
+
+``groups`` is a string, ``"N"`` or ``"MIN:MAX"``, quoted: YAML 1.1 reads an unquoted ``1:4`` as
+the base-60 number 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+from cluster.app import ServeConfig, parse_groups
+from cluster.cli_generate import add_engine_arguments, engine_config
+from workers.config import EngineConfig
+
+IMPORT_PATH = "cluster.serve_config:app_builder"
+API_KEY_ENV = "api_key_env"
+_OPTION = re.compile(r"--([a-z][a-z-]*)")
+# `tpserve serve` options that are not args, and where their value comes from instead.
+NOT_ARGS = {
+    "host": "the file's http_options.host",
+    "port": "the file's http_options.port",
+    "api_key": f"an environment variable named by {API_KEY_ENV} (never the key itself)",
+}
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """What ``tpserve serve`` runs: the application's configuration and where it listens."""
+
+    config: ServeConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    app_name: str = "tpserve"
+    route_prefix: str = "/"
+    grpc_options: Optional[Dict[str, Any]] = None  # the file's, for Serve's gRPC proxy
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}{self.route_prefix.rstrip('/')}/v1"
+
+
+def app_builder(args: Dict[str, Any]):
+    """Serve's application builder: the file's ``args`` -> the tpserve application.
+
+    Runs where Serve builds applications (the controller's build task, on the head node), so the
+    cluster's resources and ``api_key_env`` are those of the cluster."""
+    import ray
+
+    from cluster.app import build_app, check_serve_config
+
+    config = serve_config_from_args(args, os.environ)
+    check_serve_config(config)
+    return build_app(config, ray.cluster_resources())
+
+
+def serve_config_from_args(args: Mapping[str, Any],
+                           environ: Mapping[str, str]) -> ServeConfig:
+    """The ``ServeConfig`` of a config file's ``args``; ``ValueError`` naming the bad key."""
+    if not isinstance(args, Mapping):
+        raise ValueError(f"args: expected a mapping of tpserve serve options, got "
+                         f"{type(args).__name__}")
+    options = arg_options()
+    for key in args:
+        if key in NOT_ARGS:
+            raise ValueError(f"args.{key}: not an application arg; it comes from {NOT_ARGS[key]}")
+        if key != API_KEY_ENV and key not in options:
+            raise ValueError(f"args.{key}: unknown key; expected one of "
+                             f"{', '.join(sorted([*options, API_KEY_ENV]))}")
+    values = argparse.Namespace(seed=None, **{k: a.default for k, a in options.items()})
+    for key, value in args.items():
+        if key != API_KEY_ENV:
+            setattr(values, key, _checked_value(key, options[key], value))
+    api_key = _api_key(args.get(API_KEY_ENV), environ)
+    try:
+        min_groups, max_groups = parse_groups(values.groups)
+        return ServeConfig(engine=engine_config(values), min_groups=min_groups,
+                           max_groups=max_groups, kv_target_occupancy=values.kv_target_occupancy,
+                           api_key=api_key, served_model_name=values.served_model_name,
+                           max_migrations=values.max_migrations)
+    except ValueError as exc:  # the engine's checks name the option (--tp): name the key (args.tp)
+        raise ValueError(_OPTION.sub(lambda m: "args." + m[1].replace("-", "_"), str(exc))) \
+            from None
+
+
+def arg_options() -> Dict[str, argparse.Action]:
+    """The keys an application's ``args`` may hold, with the option each one stands for."""
+    from cluster.cli_serve import add_serve_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(parser)
+    add_serve_arguments(parser)
+    # argparse keeps its actions in a private list; there is no public way to read types back.
+    return {a.dest: a for a in parser._actions if a.dest not in NOT_ARGS}
+
+
+def _checked_value(key: str, action: argparse.Action, value: Any) -> Any:
+    """``value`` if it has the type (and is one of the choices) of ``action``'s option."""
+    if value is None and action.default is None:
+        return None
+    if action.nargs == 0:  # a flag (store_true)
+        expected, ok = "true or false", isinstance(value, bool)
+    elif action.type is int:
+        expected, ok = "an integer", isinstance(value, int) and not isinstance(value, bool)
+    elif action.type is float:
+        expected = "a number"
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        expected, ok = "a string", isinstance(value, str)
+        if key == "groups" and not ok:
+            expected = 'a quoted string "N" or "MIN:MAX" (YAML reads an unquoted 1:4 as 64)'
+    if ok and action.choices is not None and value not in action.choices:
+        expected, ok = f"one of {', '.join(map(str, action.choices))}", False
+    if not ok:
+        raise ValueError(f"args.{key}: expected {expected}, got {value!r}")
+    return value
+
+
+def _api_key(env_name: Any, environ: Mapping[str, str]) -> Optional[str]:
+    if env_name is None:
+        return None
+    if not isinstance(env_name, str) or not env_name.isidentifier():
+        raise ValueError(f"args.{API_KEY_ENV}: expected the name of an environment variable, got "
+                         f"{env_name!r}")
+    key = environ.get(env_name, "")
+    if not key:
+        raise ValueError(f"args.{API_KEY_ENV}: the environment variable {env_name} is not set "
+                         f"(or empty) where the application is built; set it, or drop "
+                         f"{API_KEY_ENV} to serve without an API key")
+    return key
+
+
+# ----- tpserve serve -----
+
+
+def plan_from_cli(args: argparse.Namespace, engine: EngineConfig) -> ServePlan:
+    min_groups, max_groups = parse_groups(args.groups)
+    config = ServeConfig(engine=engine, min_groups=min_groups, max_groups=max_groups,
+                         kv_target_occupancy=args.kv_target_occupancy, api_key=args.api_key,
+                         served_model_name=args.served_model_name,
+                         max_migrations=args.max_migrations)
+    return ServePlan(config, host=args.host, port=args.port)
+
+
+def plan_from_file(path: Path, changed_options: Sequence[str] = ()) -> ServePlan:
+    """``tpserve serve --config FILE``: the file's tpserve application and its http_options.
+
+    Refuses what it would otherwise ignore: options given beside the file, a file without
+    exactly one tpserve application, and per-deployment overrides or a ``runtime_env`` (those
+    need Serve's own ``serve run``)."""
+    if changed_options:
+        names = ", ".join("--" + name.replace("_", "-") for name in changed_options)
+        raise ValueError(f"{names}: not allowed with --config; set them in {path}'s args "
+                         f"(or http_options)")
+    schema = read_config_file(path)
+    apps = [app for app in schema.applications if app.import_path == IMPORT_PATH]
+    if len(apps) != 1:
+        raise ValueError(f"{path}: expected one application with import_path {IMPORT_PATH}, "
+                         f"found {len(apps)}")
+    app = apps[0]
+    if app.deployments or app.runtime_env:
+        raise ValueError(f"{path}: application {app.name!r} sets deployments or runtime_env, "
+                         f"which tpserve serve --config does not apply; use serve run {path}")
+    try:
+        config = serve_config_from_args(app.args, os.environ)
+    except ValueError as exc:
+        raise ValueError(f"{path}, application {app.name!r}: {exc}") from None
+    return ServePlan(config, host=schema.http_options.host, port=schema.http_options.port,
+                     app_name=app.name, route_prefix=app.route_prefix or "/",
+                     grpc_options=schema.grpc_options.model_dump())
+
+
+def read_config_file(path: Path):
+    """The file as Serve reads it (``ServeDeploySchema``); ``ValueError`` naming the file."""
+    import pydantic
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    try:
+        return ServeDeploySchema.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise ValueError(f"{path}: not a Serve config file: {exc}") from None

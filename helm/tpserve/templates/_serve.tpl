@@ -1,0 +1,45 @@
+{{/*
+The RayService's serveConfigV2: Ray Serve's config file format, the same application as
+deploy/ray/serve.yaml (cluster.serve_config:app_builder; args are `tpserve serve` options).
+*/}}
+{{- define "tpserve.serveConfig" -}}
+{{- $serve := .Values.serve -}}
+proxy_location: EveryNode
+http_options:
+  host: 0.0.0.0
+  port: 8000
+grpc_options:
+  port: 9000
+  grpc_servicer_functions: []
+applications:
+  - name: tpserve
+    route_prefix: /
+    import_path: cluster.serve_config:app_builder
+    args:
+      model: {{ $serve.model.path | quote }}
+      {{- with $serve.model.servedName }}
+      served_model_name: {{ . | quote }}
+      {{- end }}
+      tp: {{ int $serve.tpSize }}
+      groups: {{ printf "%d:%d" (int $serve.groups.min) (int $serve.groups.max) | quote }}
+      kv_target_occupancy: {{ $serve.kvTargetOccupancy }}
+      device: cuda
+      kv_cache_gb: {{ $serve.kvCacheGb }}
+      {{- with $serve.maxModelLen }}
+      max_model_len: {{ int . }}
+      {{- end }}
+      {{- if gt (float64 $serve.tiers.host.gb) 0.0 }}
+      host_kv_gb: {{ $serve.tiers.host.gb }}
+      {{- end }}
+      {{- if $serve.tiers.disk.enabled }}
+      disk_kv_dir: {{ $serve.tiers.disk.path | quote }}
+      disk_kv_gb: {{ $serve.tiers.disk.gb }}
+      {{- end }}
+      kv_eviction: {{ $serve.tiers.eviction | quote }}
+      {{- if include "tpserve.apiKeySecret" . }}
+      api_key_env: TPSERVE_API_KEY
+      {{- end }}
+      {{- with $serve.extraArgs }}
+      {{- toYaml . | nindent 6 }}
+      {{- end }}
+{{- end -}}

@@ -1,0 +1,94 @@
+"""deploy/ray/cluster*.yaml are valid `ray up` configs: against the cluster-config JSON schema the
+`ray` package ships, then through Ray's own preparation and validation (what `ray up` runs before
+it launches anything), with the fields tpserve relies on checked by name."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = {name: REPO / "deploy" / "ray" / name for name in ("cluster.yaml", "cluster-local.yaml")}
+
+
+def ray_schema() -> dict:
+    import ray.autoscaler
+
+    return json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load(CONFIGS[name].read_text())
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_config_validates_against_rays_cluster_schema(name):
+    jsonschema.validate(load(name), ray_schema())
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_ray_prepares_and_validates_the_config_as_ray_up_does(name):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    prepared = prepare_config(load(name))
+    validate_config(prepared)
+    for node_type in prepared["available_node_types"].values():
+        assert node_type["min_workers"] <= node_type["max_workers"]
+
+
+def test_the_schema_catches_a_broken_config():
+    """The check can fail: a node type without resources, and a GPU count that is no integer."""
+    config = load("cluster.yaml")
+    broken = copy.deepcopy(config)
+    del broken["available_node_types"]["gpu-a10g-x4"]["resources"]
+    with pytest.raises(jsonschema.ValidationError, match="resources"):
+        jsonschema.validate(broken, ray_schema())
+    broken = copy.deepcopy(config)
+    broken["available_node_types"]["gpu-a10g-x4"]["resources"]["GPU"] = "four"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, ray_schema())
+
+
+def test_gpu_cluster_head_has_no_gpus_and_workers_scale_between_bounds():
+    config = load("cluster.yaml")
+    head = config["available_node_types"][config["head_node_type"]]
+    assert "GPU" not in head["resources"]
+    assert any("--num-gpus=0" in cmd for cmd in config["head_start_ray_commands"])
+    gpu_types = [t for t in config["available_node_types"].values()
+                 if t["resources"].get("GPU", 0) > 0]
+    assert len(gpu_types) == 1
+    workers = gpu_types[0]
+    assert 1 <= workers["min_workers"] < workers["max_workers"] <= config["max_workers"]
+    assert any("/mnt/nvme" in cmd for cmd in workers["initialization_commands"])
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_tpserve_is_installed_and_the_disk_tier_is_on_nvme(name):
+    config = load(name)
+    assert any("pip install" in cmd and "~/tpserve" in cmd for cmd in config["setup_commands"])
+    assert config["file_mounts"]["~/tpserve"] == "./"
+    serve_args = yaml.safe_load((REPO / "deploy" / "ray" / "serve.yaml").read_text())
+    disk_dir = serve_args["applications"][0]["args"]["disk_kv_dir"]
+    assert disk_dir.startswith("/mnt/nvme/")
+    commands = (config["setup_commands"]
+                + [c for t in config.get("available_node_types", {}).values()
+                   for c in t.get("initialization_commands", [])])
+    assert any(disk_dir in cmd for cmd in commands)
+
+
+def test_local_cluster_lists_its_hosts_and_keeps_them_all():
+    config = load("cluster-local.yaml")
+    provider = config["provider"]
+    assert provider["type"] == "local" and provider["head_ip"]
+    assert len(provider["worker_ips"]) == config["max_workers"]
+    assert any("--num-gpus=0" in cmd for cmd in config["head_start_ray_commands"])
+    from ray.autoscaler._private.util import prepare_config
+
+    # The local provider has one node type for the head and the workers alike.
+    (node_type,) = prepare_config(config)["available_node_types"].values()
+    assert node_type["min_workers"] == node_type["max_workers"] == len(provider["worker_ips"])
