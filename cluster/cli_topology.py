@@ -13,7 +13,7 @@ from typing import Callable, Optional, TypeVar
 
 from parallel.grouping import plan_groups
 from parallel.topology import GpuTopology, NodeName, NodeTopology
-from parallel.topology_parse import parse_ibstat, parse_nvidia_smi_topo
+from parallel.topology_parse import IBStatReport, parse_nvidia_smi_topo, read_ibstat
 from parallel.topology_probe import probe_node
 
 T = TypeVar("T")
@@ -56,8 +56,8 @@ def _parse(args: argparse.Namespace) -> int:
     node = _node_from_files(NodeName("parsed"), args.nvidia_smi, args.ibstat)
     if args.json:
         data = node.to_dict()
-        print(json.dumps({key: data[key] for key in ("gpus", "links", "nics", "ib_ports")},
-                         indent=2))
+        print(json.dumps({key: data[key] for key in ("gpus", "links", "nics", "ib_ports",
+                                                     "warnings")}, indent=2))
     else:
         print(_describe(node))
     return 0
@@ -85,9 +85,10 @@ def _node_from_spec(spec: str) -> NodeTopology:
 def _node_from_files(name: NodeName, nvidia_smi: Optional[str],
                      ibstat: Optional[str]) -> NodeTopology:
     gpus = _parse_file(nvidia_smi, parse_nvidia_smi_topo) if nvidia_smi else GpuTopology()
-    ports = _parse_file(ibstat, parse_ibstat) if ibstat else []
+    ports = _parse_file(ibstat, read_ibstat) if ibstat else IBStatReport(())
     sources = tuple(f"file:{path}" for path in (nvidia_smi, ibstat) if path)
-    return NodeTopology(name, gpus, tuple(ports), sources=sources)
+    return NodeTopology(name, gpus, ports.ports, sources=sources,
+                        warnings=gpus.warnings + ports.warnings)
 
 
 def _parse_file(path: str, parse: Callable[[str], T]) -> T:
@@ -118,4 +119,5 @@ def _describe(node: NodeTopology) -> str:
     for port in node.ib_ports:
         lines.append(f"IB {port.device}:{port.port} {port.state}/{port.phys_state} "
                      f"{port.rate_gbps:g} Gb/s {port.link_layer}")
+    lines += [f"warning: {warning}" for warning in node.warnings]
     return "\n".join(lines)

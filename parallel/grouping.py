@@ -84,11 +84,13 @@ class PlacementPlan:
     device_kind: DeviceKind
     groups: tuple[PlannedGroup, ...]
     left_out: tuple[LeftOut, ...]
+    warnings: tuple[str, ...] = ()  # "<node>: <what a probe tool could not read>"
 
     def explanation(self) -> list[str]:
         lines = [f"group {k}: {group.reason}" for k, group in enumerate(self.groups)]
-        return lines + [f"left out {item.node} {self.device_kind.unit} {list(item.devices)}: "
-                        f"{item.reason}" for item in self.left_out]
+        lines += [f"left out {item.node} {self.device_kind.unit} {list(item.devices)}: "
+                  f"{item.reason}" for item in self.left_out]
+        return lines + [f"warning: {warning}" for warning in self.warnings]
 
     def to_dict(self) -> dict:
         """The JSON shape of `tpserve topology plan`."""
@@ -100,6 +102,7 @@ class PlacementPlan:
             "explanation": self.explanation(),
             "left_out": [{"node": item.node, "devices": list(item.devices), "reason": item.reason}
                          for item in self.left_out],
+            "warnings": list(self.warnings),
         }
 
 
@@ -153,7 +156,8 @@ def plan_groups(nodes: Iterable[NodeTopology], tp_size: int, num_groups: Optiona
         for node in group.node_names:
             left_out.append(LeftOut(node, group.devices_on(node),
                                     f"not needed: {wanted} group(s) requested"))
-    return PlacementPlan(tp_size, kind, tuple(groups[:wanted]), tuple(left_out))
+    warnings = tuple(f"{node.name}: {warning}" for node in nodes for warning in node.warnings)
+    return PlacementPlan(tp_size, kind, tuple(groups[:wanted]), tuple(left_out), warnings)
 
 
 def _checked_nodes(nodes: Iterable[NodeTopology], tp_size: int, num_groups: Optional[int],
@@ -372,7 +376,7 @@ def rank_env(group: PlannedGroup, rank: int, node: NodeTopology,
              socket_ifname: Optional[str] = None) -> dict[str, str]:
     """Environment for rank `rank` of `group`, which runs on `node`: its one visible GPU (in
     nvidia-smi's PCI order), NCCL_IB_HCA for groups that span nodes, and the socket interface
-    for NCCL and gloo when one is configured."""
+    for NCCL and gloo: `socket_ifname` when given, else the one the node's probe found."""
     if not 0 <= rank < len(group.ranks):
         raise ValueError(f"rank {rank} is not in a group of {len(group.ranks)}")
     placement = group.ranks[rank]
@@ -385,6 +389,7 @@ def rank_env(group: PlannedGroup, rank: int, node: NodeTopology,
         hcas = nearest_hcas(node, group.devices_on(node.name)) if group.spans_nodes else []
         if hcas:
             env["NCCL_IB_HCA"] = "=" + ",".join(hcas)  # '=': exact names, mlx5_1 is not mlx5_10
+    socket_ifname = socket_ifname or node.socket_ifname
     if socket_ifname:
         env["NCCL_SOCKET_IFNAME"] = socket_ifname
         env["GLOO_SOCKET_IFNAME"] = socket_ifname

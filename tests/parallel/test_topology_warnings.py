@@ -69,7 +69,8 @@ def test_nvidia_smi_ending_in_a_device_error_keeps_the_gpus_and_names_the_device
 
 def test_nvidia_smi_error_before_the_matrix_is_a_warning_too():
     text = "Unable to determine the device handle for GPU2: 0000:34:00.0: Unknown Error\n"
-    topology = parse_nvidia_smi_topo(text + PCIE_TOPO.read_text(encoding="utf-8"))
+    without_source = PCIE_TOPO.read_text(encoding="utf-8").split("\n", 1)[1]
+    topology = parse_nvidia_smi_topo(text + without_source)
     assert len(topology.gpus) == 2
     (warning,) = topology.warnings
     assert "GPU2" in warning and "0000:34:00.0" in warning
@@ -106,8 +107,8 @@ def test_probe_keeps_what_a_failing_ibstat_printed(bare_node, tmp_path):
     """Real ibstat exits non-zero after IBPANIC: the ports it printed still count, with a
     warning that names the device and the exit status."""
     _fake_tool(tmp_path, "ibstat", _ibstat_cut_before("mlx5_5"), IBPANIC, 255)
-    ports, source = topology_probe.probe_ib_ports()
-    assert source == "ibstat" and len(ports) == 5
+    ports, source, warnings = topology_probe.probe_ib_ports()
+    assert source == "ibstat" and len(ports) == 5 and len(warnings) == 2
     node = topology_probe.probe_node("box")
     assert len(node.ib_ports) == 5
     assert any("mlx5_5" in warning for warning in node.warnings)
