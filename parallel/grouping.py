@@ -21,7 +21,7 @@ import enum
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 from parallel.topology import LinkClass, LinkKind, NodeName, NodeTopology
 
@@ -133,15 +133,19 @@ Subgroup = tuple[tuple[int, ...], Optional[LinkClass]]
 
 
 def plan_groups(nodes: Iterable[NodeTopology], tp_size: int, num_groups: Optional[int] = None,
-                *, cpu_ranks_per_node: Optional[int] = None) -> PlacementPlan:
+                *, cpu_ranks_per_node: Optional[int] = None,
+                gpu_budget: Optional[Mapping[NodeName, int]] = None) -> PlacementPlan:
     """Plan `num_groups` TP groups of `tp_size` ranks (None: as many as fit), best first.
 
     Ranks go on GPUs when any node has one, else on CPU slots (`cpu_ranks_per_node` per node,
-    default its core count). Raises `ValueError` naming what stands in the way when no valid
+    default its core count). `gpu_budget[node]` caps the GPUs used on a node (the GPUs the
+    cluster manager offers there, which can be fewer than the probe found): the best subgroups
+    are kept, the rest left out. Raises `ValueError` naming what stands in the way when no valid
     grouping (or fewer than `num_groups`) exists.
     """
     nodes = _checked_nodes(nodes, tp_size, num_groups, cpu_ranks_per_node)
     hosts, left_out = _hosts(nodes, cpu_ranks_per_node)
+    hosts, left_out = _within_budget(hosts, tp_size, gpu_budget or {}, left_out)
     kind = DeviceKind.CPU if all(not node.gpus for node in nodes) else DeviceKind.CUDA
     largest = max((len(host.devices) for host in hosts), default=0)
     if tp_size <= largest:
@@ -192,6 +196,28 @@ def _hosts(nodes: list[NodeTopology], cpu_ranks_per_node: Optional[int]
         if healthy:
             hosts.append(_Host(node, healthy, DeviceKind.CUDA))
     return hosts, left_out
+
+
+def _within_budget(hosts: list[_Host], tp_size: int, budget: Mapping[NodeName, int],
+                   left_out: list[LeftOut]) -> tuple[list[_Host], list[LeftOut]]:
+    """Each GPU host cut to its budget: its best subgroups of TP (or of the budget, when TP
+    exceeds it) are kept."""
+    kept = []
+    for host in hosts:
+        limit = budget.get(host.name)
+        if host.kind is DeviceKind.CPU or limit is None or limit >= len(host.devices):
+            kept.append(host)
+            continue
+        size = min(tp_size, max(limit, 1))
+        chosen = [d for devices, _ in _node_subgroups(host, size)[0][:limit // size]
+                  for d in devices]
+        dropped = tuple(d for d in host.devices if d not in chosen)
+        left_out.append(LeftOut(host.name, dropped, (
+            f"the cluster offers {limit} GPU(s) on this node; the probe found "
+            f"{len(host.devices)}")))
+        if chosen:
+            kept.append(_Host(host.topology, tuple(sorted(chosen)), host.kind))
+    return kept, left_out
 
 
 def _disjoint_cliques(vertices: list[int], size: int,

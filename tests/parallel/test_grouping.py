@@ -408,3 +408,22 @@ def test_a_node_first_group_is_as_fast_as_any_clique(topology, tp):
         for c in itertools.combinations(healthy, tp))
     plan = plan_groups([topology], tp)
     assert plan.groups[0].link == best
+
+
+def test_gpu_budget_keeps_the_best_subgroup_and_says_why():
+    """A node whose cluster manager offers 2 of its 8 NV18 GPUs gives one group, not four."""
+    from parallel.topology_parse import parse_nvidia_smi_topo
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[1] / "data" / "topology"
+    h100 = parse_nvidia_smi_topo((data / "nvidia-smi-topo_h100x8_nv18_12nic.txt").read_text())
+    pcie = parse_nvidia_smi_topo((data / "nvidia-smi-topo_pcie2_phb.txt").read_text())
+    nodes = [NodeTopology(NodeName("a"), pcie), NodeTopology(NodeName("b"), h100)]
+    plan = plan_groups(nodes, 2, gpu_budget={NodeName("b"): 2, NodeName("a"): 2})
+    assert [[(r.node, r.device) for r in g.ranks] for g in plan.groups] == [
+        [("b", 0), ("b", 1)], [("a", 0), ("a", 1)]]
+    assert str(plan.groups[0].link) == "NV18" and str(plan.groups[1].link) == "PHB"
+    (cut,) = plan.left_out
+    assert cut.node == "b" and cut.devices == (2, 3, 4, 5, 6, 7)
+    assert "offers 2 GPU(s)" in cut.reason
+    assert len(plan_groups(nodes, 2).groups) == 5
