@@ -15,7 +15,8 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from cluster.autoscaling import KVLoadPolicy
-from cluster.group_deployment import GroupResources, TPGroupServer
+from cluster.formation import FormationConfig
+from cluster.group_deployment import GroupResources, PlannedPlacement, TPGroupServer
 from cluster.ingress import build_ingress
 from cluster.kv_router import KVAwareRouter
 from workers.config import EngineConfig
@@ -36,11 +37,17 @@ class ServeConfig:
     placement_strategy: str = "PACK"  # of each group's ranks: PACK, SPREAD, STRICT_PACK/SPREAD
     router: str = "kv"  # "kv": tpserve's KV-aware router; "pow2": Serve's default (baseline)
     max_ongoing_requests: int = 256
+    # "plan": the topology plan places each group (cluster.group_allocator); "serve": Serve does;
+    # "auto": the plan on clusters with GPUs, Serve on CPU-only ones.
+    placement: str = "auto"
+    cpu_ranks_per_node: Optional[int] = None  # CPU plans: rank slots per node (None: its cores)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_groups <= self.max_groups:
             raise ValueError(f"--groups must be N or MIN:MAX with 1 <= MIN <= MAX, got "
                              f"{self.min_groups}:{self.max_groups}")
+        if self.placement not in ("auto", "plan", "serve"):
+            raise ValueError(f"--placement must be auto, plan or serve, got {self.placement!r}")
         if self.router not in ("kv", "pow2"):
             raise ValueError(f"router must be 'kv' or 'pow2', got {self.router!r}")
         if not 0.0 < self.kv_target_occupancy <= 1.0:
@@ -86,6 +93,30 @@ def group_resources(config: ServeConfig, cluster: Dict[str, float]) -> GroupReso
     return GroupResources(cpus_per_rank=min(1.0, max(0.1, share)), gpus_per_rank=0.0)
 
 
+def planned_placement(config: ServeConfig, cluster: Dict[str, float],
+                      resources: GroupResources) -> Optional[PlannedPlacement]:
+    """The topology plan's placement, or None where Serve places the groups (see `placement`)."""
+    use_plan = config.placement == "plan" or (config.placement == "auto"
+                                              and cluster.get("GPU", 0) > 0)
+    if not use_plan:
+        return None
+    return PlannedPlacement(FormationConfig(
+        tp_size=config.engine.tp_size, cpus_per_rank=resources.cpus_per_rank,
+        cpu_ranks_per_node=config.cpu_ranks_per_node))
+
+
+def group_placement_options(resources: GroupResources, tp_size: int, strategy: str,
+                            planned: Optional[PlannedPlacement]) -> Dict:
+    """Serve's placement options for the group replica: its own placement group of TP bundles,
+    or (planned) a thin replica of no resources whose ranks go to the planned bundles."""
+    if planned is not None:
+        return {"ray_actor_options": {"num_cpus": 0, "num_gpus": 0}}
+    return {"placement_group_bundles": resources.bundles(tp_size),
+            "placement_group_strategy": strategy,
+            "ray_actor_options": {"num_cpus": resources.cpus_per_rank,
+                                  "num_gpus": resources.gpus_per_rank}}
+
+
 def router_config(config: ServeConfig) -> RequestRouterConfig:
     """The group deployment's router: tpserve's KV-aware one, or Serve's default to compare."""
     stats = dict(request_routing_stats_period_s=config.routing_stats_period_s,
@@ -103,6 +134,7 @@ def build_app(config: ServeConfig, cluster: Dict[str, float]):
     model_dir = resolve_model_path(engine.model)
     engine = EngineConfig(**{**engine.__dict__, "model": str(model_dir)})
     resources = group_resources(config, cluster)
+    planned = planned_placement(config, cluster, resources)
     scaling: Dict = {"num_replicas": config.min_groups}
     if config.max_groups > config.min_groups:
         scaling = {"autoscaling_config": AutoscalingConfig(
@@ -112,15 +144,14 @@ def build_app(config: ServeConfig, cluster: Dict[str, float]):
                 policy_kwargs={"target_occupancy": config.kv_target_occupancy}))}
     groups = serve.deployment(TPGroupServer).options(
         name="TPGroup",
-        placement_group_bundles=resources.bundles(engine.tp_size),
-        placement_group_strategy=config.placement_strategy,
-        ray_actor_options={"num_cpus": resources.cpus_per_rank,
-                           "num_gpus": resources.gpus_per_rank},
+        **group_placement_options(resources, engine.tp_size, config.placement_strategy, planned),
         max_ongoing_requests=config.max_ongoing_requests,
         health_check_period_s=2.0,
+        # Scale-down drains a group: Serve waits this long for its requests in flight.
+        graceful_shutdown_timeout_s=120.0,
         request_router_config=router_config(config),
         **scaling,
-    ).bind(engine, resources)
+    ).bind(engine, resources, planned)
     name = config.served_model_name or model_dir.name
     return build_ingress(groups, model_dir=str(model_dir), served_model_name=name,
                          block_size=engine.block_size,

@@ -29,6 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--served-model-name", default=None, help="model name in the API")
     parser.add_argument("--address", default=None,
                         help="join this Ray cluster instead of starting a local one")
+    parser.add_argument("--placement", choices=("auto", "plan", "serve"), default="auto",
+                        help="who places each TP group: the topology plan (probes every node) "
+                             "or Serve; auto: the plan on GPU clusters (default)")
     parser.set_defaults(func=run, seed=None)
 
 
@@ -41,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     min_groups, max_groups = parse_groups(args.groups)
     config = ServeConfig(engine=engine_config(args), min_groups=min_groups,
                          max_groups=max_groups, kv_target_occupancy=args.kv_target_occupancy,
-                         api_key=args.api_key, served_model_name=args.served_model_name)
+                         api_key=args.api_key, served_model_name=args.served_model_name,
+                         placement=args.placement)
     check_serve_config(config)  # before Ray starts: a bad configuration never deploys
     if args.address:
         ray.init(address=args.address)
@@ -59,10 +63,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"tpserve: serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
         return _serve_until_stopped()
     finally:
+        from cluster.group_allocator import kill_group_allocator
         from cluster.metrics import kill_metrics_store
 
         serve.shutdown()
         kill_metrics_store()  # detached, so it would outlive the app on a shared cluster
+        kill_group_allocator()  # and so would the plan's placement groups
         ray.shutdown()
 
 

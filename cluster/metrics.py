@@ -142,6 +142,7 @@ class MetricsStore:
     def __init__(self, stale_after_s: float = 30.0, export_to_ray: bool = False) -> None:
         self.stale_after_s = stale_after_s
         self._groups: Dict[str, GroupRecord] = {}
+        self._info: Dict[str, Dict[str, Any]] = {}
         self._mirror = RayMetricsMirror() if export_to_ray else None
 
     def push(self, group_id: str, snapshot: Mapping[str, Any]) -> None:
@@ -171,6 +172,15 @@ class MetricsStore:
                 if self._mirror is not None:
                     self._mirror.histogram(PREFIX + key, float(sample), {"group": group_id},
                                            hist.bounds)
+
+    def describe(self, group_id: str, info: Mapping[str, Any]) -> None:
+        """Where a group's ranks run (plain data for `tpserve status`); dropped with the group."""
+        self._info[group_id] = dict(info)
+
+    def descriptions(self) -> Dict[str, Dict[str, Any]]:
+        """``describe``'s data of every live group."""
+        live = self.snapshot()
+        return {group_id: info for group_id, info in self._info.items() if group_id in live}
 
     def snapshot(self) -> Dict[str, GroupRecord]:
         """Every live group's record (copied by Ray when called through the actor)."""

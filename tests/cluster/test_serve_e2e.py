@@ -110,7 +110,7 @@ def test_bad_request_and_wrong_key(client):
 def test_group_ranks_share_one_node_by_default(client):
     handle = serve.get_deployment_handle("TPGroup", app_name="tpserve")
     ranks = handle.rank_info.remote().result()
-    assert len(ranks) == 2 and ranks[0]["node_id"] == ranks[1]["node_id"]
+    assert len(ranks) == 2 and ranks[0]["node"] == ranks[1]["node"]
     assert ranks[0]["pid"] != ranks[1]["pid"]
 
 
