@@ -41,6 +41,11 @@ class ServeConfig:
     # "auto": the plan on clusters with GPUs, Serve on CPU-only ones.
     placement: str = "auto"
     cpu_ranks_per_node: Optional[int] = None  # CPU plans: rank slots per node (None: its cores)
+    # --groups MIN:MAX: KV usage averaged over the look-back window; Serve holds a decision this
+    # long before acting on it (its defaults, 30 s up and 600 s down, ignore a full cache).
+    autoscale_look_back_s: float = 5.0
+    upscale_delay_s: float = 2.0
+    downscale_delay_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_groups <= self.max_groups:
@@ -139,6 +144,9 @@ def build_app(config: ServeConfig, cluster: Dict[str, float]):
     if config.max_groups > config.min_groups:
         scaling = {"autoscaling_config": AutoscalingConfig(
             min_replicas=config.min_groups, max_replicas=config.max_groups,
+            look_back_period_s=config.autoscale_look_back_s,
+            metrics_interval_s=min(1.0, config.autoscale_look_back_s / 2),
+            upscale_delay_s=config.upscale_delay_s, downscale_delay_s=config.downscale_delay_s,
             policy=AutoscalingPolicy(
                 policy_function=KVLoadPolicy,
                 policy_kwargs={"target_occupancy": config.kv_target_occupancy}))}

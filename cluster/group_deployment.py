@@ -82,10 +82,10 @@ class TPGroupServer:
         me = ray.get_runtime_context().current_actor
         try:
             claim = ray.get(self._allocator.claim.remote(self.group_id, me))
-        except ray.exceptions.RayTaskError as exc:
-            error = exc.as_instanceof_cause()
-            logger.error("TP group %s not started: %s", self.group_id, error)
-            raise RuntimeError(str(error)) from None
+        except ray.exceptions.RayTaskError as exc:  # NoPlannedGroupError: beyond the plan
+            message = str(exc.cause) if exc.cause is not None else str(exc)
+            logger.error("TP group %s not started: %s", self.group_id, message)
+            raise RuntimeError(message) from None
         ray.get(claim.placement_group.ready(), timeout=planned.formation.ready_timeout_s)
         plan_kind = claim.group.device_kind
         device = compute_device(engine_config.device, plan_kind)
