@@ -193,19 +193,27 @@ def test_killed_replica_gives_its_group_back(cluster, client):
     assert out.usage.completion_tokens == 4
 
 
-def test_replica_beyond_the_plan_is_reported_not_placed(cluster, client):
-    c, _, _ = cluster
+def test_replica_beyond_the_plan_is_reported_then_placed_on_a_joining_node(cluster, client):
+    c, nodes, _ = cluster
     load = Load(client, streams=3)
     try:
         status = wait_for("a refused replica", lambda: (s := collect_status())["errors"] and s,
                           180)
         assert_every_rank_where_planned(status)
         assert len(live_groups(status)) == 2
+        assert "has no planned group: the plan has 2 group(s) of TP 2" in status["errors"][0]
+        refused = status["errors"][0].split()[1]
+        logs = glob.glob(os.path.join(c.head_node.get_session_dir_path(), "logs",
+                                      "worker-*.err"))
+        assert any(f"TP group {refused} not started: replica {refused} has no planned group"
+                   in Path(log).read_text(errors="replace") for log in logs)
+        # A node joins: the next replica that asks gets its group, no restart.
+        joined = c.add_node(num_cpus=2, num_gpus=2, env_vars=PCIE).node_id
+        status = wait_for("a third group on the new node",
+                          lambda: len(live_groups(s := collect_status())) == 3 and s, 180)
     finally:
         load.close()
-    assert "has no planned group: the plan has 2 group(s) of TP 2" in status["errors"][0]
-    refused = status["errors"][0].split()[1]
-    logs = glob.glob(os.path.join(c.head_node.get_session_dir_path(), "logs", "worker-*.err"))
-    assert any(f"TP group {refused} not started: replica {refused} has no planned group"
-               in Path(log).read_text(errors="replace") for log in logs)
-    assert load.errors == []
+    assert status["plan"]["groups"][2] == [{"node": joined, "device": d} for d in (0, 1)]
+    assert live_groups(status)[2] == [(joined, 0), (joined, 1)]
+    assert_every_rank_where_planned(status)
+    assert status["errors"] == [] and load.errors == []
