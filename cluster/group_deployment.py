@@ -133,7 +133,7 @@ class TPGroupServer:
 
     async def check_health(self) -> None:
         if self._host is None:
-            self._engine.health()
+            await self._engine.health()
         else:
             await self._host.health.remote()
 

@@ -10,6 +10,7 @@ pushes the group's metrics and rank placement to the metrics store for `/metrics
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -70,9 +71,21 @@ class GroupEngine:
             "autoscaling": {KV_USAGE_METRIC: load.kv.usage},
         }
 
-    def health(self) -> None:
+    async def health(self, rank_timeout_s: float = 5.0) -> None:
+        """Raise if the engine died or a rank 1..N-1 does not answer within `rank_timeout_s`:
+        an idle group whose peer's node went away fails here, not at its next request."""
         if not self.engine.is_alive:
             raise RuntimeError(f"TP group {self.group_id} engine died: {self.engine.error}")
+        children = self.engine.engine.child_ranks
+        actors = children.actors if children is not None else []
+        try:
+            await asyncio.wait_for(asyncio.gather(*[a.info.remote() for a in actors]),
+                                   timeout=rank_timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"TP group {self.group_id}: a rank did not answer within "
+                               f"{rank_timeout_s:g} s (its node may be gone)") from None
+        except ray.exceptions.RayActorError as exc:
+            raise RuntimeError(f"TP group {self.group_id}: a rank died: {exc}") from None
 
     def rank_info(self) -> List[Dict[str, Any]]:
         """Where every rank runs, rank 0 (this process) first (asked once, at start)."""
