@@ -33,7 +33,8 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from parallel.grouping import DeviceKind, PlacementPlan, PlannedGroup, plan_groups, rank_env
+from parallel.grouping import DeviceKind, PlacementPlan, PlannedGroup, plan_groups
+from parallel.rank_env import rank_env
 from parallel.topology import NodeName, NodeTopology
 from parallel.topology_probe import probe_node
 

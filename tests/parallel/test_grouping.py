@@ -12,13 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel.grouping import (
-    DeviceKind,
-    PlacementPlan,
-    nearest_hcas,
-    plan_groups,
-    rank_env,
-)
+from parallel.grouping import DeviceKind, PlacementPlan, plan_groups
+from parallel.rank_env import nearest_hcas, rank_env
 from parallel.topology import (
     Gpu,
     GpuIndex,
