@@ -86,6 +86,14 @@ class TPGroupServer:
             message = str(exc.cause) if exc.cause is not None else str(exc)
             logger.error("TP group %s not started: %s", self.group_id, message)
             raise RuntimeError(message) from None
+        try:
+            self._start_engine(engine_config, planned, claim)
+        except BaseException:  # the group goes back to the plan for the next replica
+            self._allocator.release.remote(self.group_id)
+            raise
+
+    def _start_engine(self, engine_config: EngineConfig, planned: PlannedPlacement,
+                      claim) -> None:
         ray.get(claim.placement_group.ready(), timeout=planned.formation.ready_timeout_s)
         plan_kind = claim.group.device_kind
         device = compute_device(engine_config.device, plan_kind)

@@ -145,6 +145,7 @@ def run(args: argparse.Namespace) -> dict:
         "min_groups_seen": min(counts_seen), "max_groups_seen": max(counts_seen),
         "scale_up_s": None if scale_up_s is None else round(scale_up_s, 1),
         "scale_down_s": None if scale_down_s is None else round(scale_down_s, 1),
+        "load_end_s": round(load_end - t0, 1),
         "requests_ok": counts.ok, "requests_failed": counts.failed,
         "errors": counts.errors[:5], "samples": samples,
         "config": {"model": args.model, "tp": args.tp, "groups": f"1:{args.max_groups}",
@@ -165,6 +166,9 @@ def plot(samples: List[Tuple[float, int]], path: str, result: dict) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.step([t for t, _ in samples], [c for _, c in samples], where="post")
+    ax.axvline(0, color="grey", linestyle=":")
+    ax.axvline(result["load_end_s"], color="grey", linestyle=":")
+    ax.text(result["load_end_s"], 0.2, " load stops", color="grey")
     ax.set_xlabel("seconds since the load started")
     ax.set_ylabel("TP groups serving")
     ax.set_yticks(range(0, result["max_groups_seen"] + 2))
