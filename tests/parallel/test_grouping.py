@@ -291,6 +291,16 @@ def test_rank_env_of_a_spanning_group_limits_hcas_to_the_nearest():
     assert "mlx5_5:1" not in rank_env(group, 0, nodes[0])["NCCL_IB_HCA"]  # a port down
 
 
+def test_rank_env_takes_the_socket_interface_the_probe_found():
+    """Each rank gets its own node's interface (a veth in one namespace, eth0 in another);
+    a configured interface overrides it."""
+    nodes = [dataclasses.replace(dgx(n), socket_ifname=f"veth-{n}") for n in "ab"]
+    group = plan_groups(nodes, 16).groups[0]
+    assert rank_env(group, 0, nodes[0])["GLOO_SOCKET_IFNAME"] == "veth-a"
+    assert rank_env(group, 8, nodes[1])["NCCL_SOCKET_IFNAME"] == "veth-b"
+    assert rank_env(group, 8, nodes[1], socket_ifname="ib0")["GLOO_SOCKET_IFNAME"] == "ib0"
+
+
 def test_nearest_hcas_follow_pix_affinity_then_fall_back():
     a = dgx("a", down=[2])
     assert nearest_hcas(a, [0, 1]) == ["mlx5_0:1", "mlx5_1:1"]

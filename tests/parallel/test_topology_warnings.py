@@ -127,3 +127,11 @@ def test_probe_fixture_file_with_a_tool_error_warns(bare_node, tmp_path):
 def test_fake_tool_runs(tmp_path):  # the helper itself: a real process, exit status kept
     _fake_tool(tmp_path, "tool", "out\n", "err", 3)
     assert os.system(f"{tmp_path / 'tool'} >/dev/null 2>&1") >> 8 == 3
+
+
+def test_interface_of_an_address_is_read_from_ip():
+    """The probe names the interface that holds the node's address (`ip -o -4 addr`)."""
+    if not os.path.exists("/usr/sbin/ip") and not os.path.exists("/sbin/ip"):
+        pytest.skip("no `ip` command")
+    assert topology_probe.interface_of("127.0.0.1") == "lo"
+    assert topology_probe.interface_of("203.0.113.254") is None  # held by no interface here
