@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Sequence
 
 import ray
 from ray import serve
@@ -33,6 +33,9 @@ from cluster.group_engine import GroupEngine, RemoteGroupEngine, group_metrics_s
 from cluster.rank_actor import RayRankActors
 from parallel.grouping import DeviceKind
 from workers.config import EngineConfig
+
+if TYPE_CHECKING:
+    from cluster.group_allocator import PlannedClaim
 
 __all__ = ["GroupResources", "PlannedPlacement", "TPGroupServer", "group_metrics_snapshot"]
 
@@ -93,7 +96,7 @@ class TPGroupServer:
             raise
 
     def _start_engine(self, engine_config: EngineConfig, planned: PlannedPlacement,
-                      claim) -> None:
+                      claim: "PlannedClaim") -> None:
         ray.get(claim.placement_group.ready(), timeout=planned.formation.ready_timeout_s)
         plan_kind = claim.group.device_kind
         device = compute_device(engine_config.device, plan_kind)
