@@ -15,7 +15,8 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from cluster.autoscaling import KVLoadPolicy
-from cluster.group_deployment import GroupResources, TPGroupServer
+from cluster.formation import FormationConfig
+from cluster.group_deployment import GroupResources, PlannedPlacement, TPGroupServer
 from cluster.ingress import build_ingress
 from cluster.kv_router import KVAwareRouter
 from workers.config import EngineConfig
@@ -37,11 +38,22 @@ class ServeConfig:
     router: str = "kv"  # "kv": tpserve's KV-aware router; "pow2": Serve's default (baseline)
     max_ongoing_requests: int = 256
     max_migrations: int = 3  # re-sends of a request whose group failed while serving it
+    # "plan": the topology plan places each group (cluster.group_allocator); "serve": Serve does;
+    # "auto": the plan on clusters with GPUs, Serve on CPU-only ones.
+    placement: str = "auto"
+    cpu_ranks_per_node: Optional[int] = None  # CPU plans: rank slots per node (None: its cores)
+    # --groups MIN:MAX: KV usage averaged over the look-back window; Serve holds a decision this
+    # long before acting on it (its defaults, 30 s up and 600 s down, ignore a full cache).
+    autoscale_look_back_s: float = 5.0
+    upscale_delay_s: float = 2.0
+    downscale_delay_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_groups <= self.max_groups:
             raise ValueError(f"--groups must be N or MIN:MAX with 1 <= MIN <= MAX, got "
                              f"{self.min_groups}:{self.max_groups}")
+        if self.placement not in ("auto", "plan", "serve"):
+            raise ValueError(f"--placement must be auto, plan or serve, got {self.placement!r}")
         if self.router not in ("kv", "pow2"):
             raise ValueError(f"router must be 'kv' or 'pow2', got {self.router!r}")
         if self.max_migrations < 0:
@@ -89,6 +101,30 @@ def group_resources(config: ServeConfig, cluster: Dict[str, float]) -> GroupReso
     return GroupResources(cpus_per_rank=min(1.0, max(0.1, share)), gpus_per_rank=0.0)
 
 
+def planned_placement(config: ServeConfig, cluster: Dict[str, float],
+                      resources: GroupResources) -> Optional[PlannedPlacement]:
+    """The topology plan's placement, or None where Serve places the groups (see `placement`)."""
+    use_plan = config.placement == "plan" or (config.placement == "auto"
+                                              and cluster.get("GPU", 0) > 0)
+    if not use_plan:
+        return None
+    return PlannedPlacement(FormationConfig(
+        tp_size=config.engine.tp_size, cpus_per_rank=resources.cpus_per_rank,
+        cpu_ranks_per_node=config.cpu_ranks_per_node))
+
+
+def group_placement_options(resources: GroupResources, tp_size: int, strategy: str,
+                            planned: Optional[PlannedPlacement]) -> Dict:
+    """Serve's placement options for the group replica: its own placement group of TP bundles,
+    or (planned) a thin replica of no resources whose ranks go to the planned bundles."""
+    if planned is not None:
+        return {"ray_actor_options": {"num_cpus": 0, "num_gpus": 0}}
+    return {"placement_group_bundles": resources.bundles(tp_size),
+            "placement_group_strategy": strategy,
+            "ray_actor_options": {"num_cpus": resources.cpus_per_rank,
+                                  "num_gpus": resources.gpus_per_rank}}
+
+
 def router_config(config: ServeConfig) -> RequestRouterConfig:
     """The group deployment's router: tpserve's KV-aware one, or Serve's default to compare."""
     stats = dict(request_routing_stats_period_s=config.routing_stats_period_s,
@@ -106,24 +142,27 @@ def build_app(config: ServeConfig, cluster: Dict[str, float]):
     model_dir = resolve_model_path(engine.model)
     engine = EngineConfig(**{**engine.__dict__, "model": str(model_dir)})
     resources = group_resources(config, cluster)
+    planned = planned_placement(config, cluster, resources)
     scaling: Dict = {"num_replicas": config.min_groups}
     if config.max_groups > config.min_groups:
         scaling = {"autoscaling_config": AutoscalingConfig(
             min_replicas=config.min_groups, max_replicas=config.max_groups,
+            look_back_period_s=config.autoscale_look_back_s,
+            metrics_interval_s=min(1.0, config.autoscale_look_back_s / 2),
+            upscale_delay_s=config.upscale_delay_s, downscale_delay_s=config.downscale_delay_s,
             policy=AutoscalingPolicy(
                 policy_function=KVLoadPolicy,
                 policy_kwargs={"target_occupancy": config.kv_target_occupancy}))}
     groups = serve.deployment(TPGroupServer).options(
         name="TPGroup",
-        placement_group_bundles=resources.bundles(engine.tp_size),
-        placement_group_strategy=config.placement_strategy,
-        ray_actor_options={"num_cpus": resources.cpus_per_rank,
-                           "num_gpus": resources.gpus_per_rank},
+        **group_placement_options(resources, engine.tp_size, config.placement_strategy, planned),
         max_ongoing_requests=config.max_ongoing_requests,
         health_check_period_s=2.0,
+        # Scale-down drains a group: Serve waits this long for its requests in flight.
+        graceful_shutdown_timeout_s=120.0,
         request_router_config=router_config(config),
         **scaling,
-    ).bind(engine, resources)
+    ).bind(engine, resources, planned)
     name = config.served_model_name or model_dir.name
     return build_ingress(groups, model_dir=str(model_dir), served_model_name=name,
                          block_size=engine.block_size,

@@ -5,7 +5,10 @@ Each group replica reports ``kv_usage`` (fraction of its device KV blocks in use
 the policy. The policy wants enough groups that the mean usage sits at the router's occupancy
 target: ``ceil(sum(usage) / target)``, within [MIN, MAX]. It scales up at once (a full cache
 preempts and recomputes) and down only after ``downscale_after`` consecutive decisions agree,
-so a short lull does not tear down a group and its warm prefix cache.
+then keeps asking for fewer while the load stays low; Serve then holds the decision for the
+deployment's ``downscale_delay_s`` (``ServeConfig``), so a short lull does not tear down a group
+and its warm prefix cache. Scale-down drains: Serve stops routing to the group and waits for its
+requests in flight (``graceful_shutdown_timeout_s``) before the replica stops.
 """
 
 from __future__ import annotations
@@ -45,5 +48,6 @@ class KVLoadPolicy:
         state["low_streak"] = state.get("low_streak", 0) + 1
         if state["low_streak"] < self.downscale_after:
             return current, state
-        state["low_streak"] = 0
+        # Keep asking while the load stays low: Serve acts on a decision only after it held
+        # for downscale_delay_s, so going back to `current` here would restart its clock.
         return wanted, state

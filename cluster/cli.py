@@ -11,10 +11,10 @@ import logging
 import sys
 from typing import Callable, Optional, Sequence
 
-from cluster import cli_generate, cli_model, cli_serve, cli_topology
+from cluster import cli_generate, cli_model, cli_serve, cli_status, cli_topology
 
 # Each module contributes `add_parser(subparsers)`; its parser sets `func(args) -> int`.
-_SUBCOMMANDS = (cli_generate, cli_model, cli_serve, cli_topology)
+_SUBCOMMANDS = (cli_generate, cli_model, cli_serve, cli_status, cli_topology)
 
 
 def build_parser() -> argparse.ArgumentParser:

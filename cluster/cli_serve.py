@@ -41,6 +41,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-migrations", type=int, default=3,
                         help="re-sends of a request to another group when its group fails "
                              "while serving it (the stream continues; 0: fail it)")
+    parser.add_argument("--placement", choices=("auto", "plan", "serve"), default="auto",
+                        help="who places each TP group: the topology plan (probes every node) "
+                             "or Serve; auto: the plan on GPU clusters (default)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,10 +75,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"tpserve: serving on {plan.base_url} (Ctrl-C stops)", flush=True)
         return _serve_until_stopped(plan.app_name)
     finally:
+        from cluster.group_allocator import kill_group_allocator
         from cluster.metrics import kill_metrics_store
 
         serve.shutdown()
         kill_metrics_store()  # detached, so it would outlive the app on a shared cluster
+        kill_group_allocator()  # and so would the plan's placement groups
         ray.shutdown()
 
 

@@ -3,6 +3,7 @@
     tpserve topology probe [--json]
     tpserve topology parse [--nvidia-smi FILE] [--ibstat FILE] [--json]
     tpserve topology plan --node NAME=NVSMI_FILE[,IBSTAT_FILE] ... --tp N [--groups G] [--json]
+    tpserve topology plan --address ADDR --tp N [--groups G] [--json]   (the live cluster)
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Callable, Optional, TypeVar
 
 from parallel.grouping import plan_groups
 from parallel.topology import GpuTopology, NodeName, NodeTopology
-from parallel.topology_parse import parse_ibstat, parse_nvidia_smi_topo
+from parallel.topology_parse import IBStatReport, parse_nvidia_smi_topo, read_ibstat
 from parallel.topology_probe import probe_node
 
 T = TypeVar("T")
@@ -33,10 +34,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parse.add_argument("--json", action="store_true", help="print JSON")
     parse.set_defaults(func=_parse)
 
-    plan = actions.add_parser("plan", help="the TP groups for nodes described by saved outputs")
-    plan.add_argument("--node", action="append", required=True, metavar="NAME=NVSMI[,IBSTAT]",
-                      help="a node: its name, its `nvidia-smi topo -m` file and optionally its "
-                           "`ibstat` file (repeat for each node)")
+    plan = actions.add_parser("plan", help="the TP groups for saved outputs or a live cluster")
+    source = plan.add_mutually_exclusive_group(required=True)
+    source.add_argument("--node", action="append", metavar="NAME=NVSMI[,IBSTAT]",
+                        help="a node: its name, its `nvidia-smi topo -m` file and optionally its "
+                             "`ibstat` file (repeat for each node)")
+    source.add_argument("--address", metavar="ADDR",
+                        help="probe every node of this Ray cluster (`auto`: the local one)")
     plan.add_argument("--tp", type=int, required=True, help="ranks per group")
     plan.add_argument("--groups", type=int, default=None,
                       help="number of groups (default: as many as fit)")
@@ -56,21 +60,39 @@ def _parse(args: argparse.Namespace) -> int:
     node = _node_from_files(NodeName("parsed"), args.nvidia_smi, args.ibstat)
     if args.json:
         data = node.to_dict()
-        print(json.dumps({key: data[key] for key in ("gpus", "links", "nics", "ib_ports")},
-                         indent=2))
+        print(json.dumps({key: data[key] for key in ("gpus", "links", "nics", "ib_ports",
+                                                     "warnings")}, indent=2))
     else:
         print(_describe(node))
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
-    nodes = [_node_from_spec(spec) for spec in args.node]
-    plan = plan_groups(nodes, args.tp, args.groups)
+    if args.address:
+        plan = _plan_live(args.address, args.tp, args.groups)
+    else:
+        plan = plan_groups([_node_from_spec(spec) for spec in args.node], args.tp, args.groups)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
         print("\n".join(plan.explanation()))
     return 0
+
+
+def _plan_live(address: str, tp_size: int, num_groups: Optional[int]):
+    """Probe every node of the Ray cluster at `address` and plan as `tpserve serve` does."""
+    import ray
+
+    from cluster.formation import FormationConfig, alive_nodes, gpu_budget, plan_placement
+    from cluster.formation import probe_cluster
+
+    config = FormationConfig(tp_size=tp_size, num_groups=num_groups)  # checks the numbers first
+    ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    try:
+        return plan_placement(probe_cluster(config.probe_timeout_s), config,
+                              gpu_budget(alive_nodes()))
+    finally:
+        ray.shutdown()
 
 
 def _node_from_spec(spec: str) -> NodeTopology:
@@ -85,9 +107,10 @@ def _node_from_spec(spec: str) -> NodeTopology:
 def _node_from_files(name: NodeName, nvidia_smi: Optional[str],
                      ibstat: Optional[str]) -> NodeTopology:
     gpus = _parse_file(nvidia_smi, parse_nvidia_smi_topo) if nvidia_smi else GpuTopology()
-    ports = _parse_file(ibstat, parse_ibstat) if ibstat else []
+    ports = _parse_file(ibstat, read_ibstat) if ibstat else IBStatReport(())
     sources = tuple(f"file:{path}" for path in (nvidia_smi, ibstat) if path)
-    return NodeTopology(name, gpus, tuple(ports), sources=sources)
+    return NodeTopology(name, gpus, ports.ports, sources=sources,
+                        warnings=gpus.warnings + ports.warnings)
 
 
 def _parse_file(path: str, parse: Callable[[str], T]) -> T:
@@ -118,4 +141,5 @@ def _describe(node: NodeTopology) -> str:
     for port in node.ib_ports:
         lines.append(f"IB {port.device}:{port.port} {port.state}/{port.phys_state} "
                      f"{port.rate_gbps:g} Gb/s {port.link_layer}")
+    lines += [f"warning: {warning}" for warning in node.warnings]
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """Form TP groups on a Ray cluster from what its nodes report.
 
     probe_cluster()                 one probe task pinned to each alive node -> {node id: topology}
+    gpu_budget(alive_nodes())       the GPUs Ray offers per node: the plan never uses more
     plan_placement(topologies, cfg) the pure plan (`parallel.grouping`), nodes named by Ray node id
     create_group_placement_group()  one bundle per rank, each pinned to its planned node
     rank_actor_options()            `.options(...)` for rank k: its bundle, device and NCCL env
@@ -32,7 +33,8 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
-from parallel.grouping import DeviceKind, PlacementPlan, PlannedGroup, plan_groups, rank_env
+from parallel.grouping import DeviceKind, PlacementPlan, PlannedGroup, plan_groups
+from parallel.rank_env import rank_env
 from parallel.topology import NodeName, NodeTopology
 from parallel.topology_probe import probe_node
 
@@ -76,25 +78,39 @@ class FormedGroup:
 
 
 @ray.remote(num_cpus=0)
-def _probe_task(node_id: str) -> NodeTopology:
-    return probe_node(name=node_id)
+def _probe_task(node_id: str, address: str) -> NodeTopology:
+    return probe_node(name=node_id, address=address)
 
 
-def probe_cluster(timeout_s: float = 60.0) -> dict[NodeName, NodeTopology]:
-    """Probe every alive node once, with a task pinned to it; topologies are named by node id."""
-    node_ids = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+def alive_nodes() -> dict[NodeName, dict]:
+    """`ray.nodes()` entries of the alive nodes, by node id."""
+    return {NodeName(node["NodeID"]): node for node in ray.nodes() if node["Alive"]}
+
+
+def probe_cluster(timeout_s: float = 60.0, skip: frozenset = frozenset()
+                  ) -> dict[NodeName, NodeTopology]:
+    """Probe every alive node once (but those in `skip`), with a task pinned to it; topologies
+    are named by node id and know the interface of the node's Ray address."""
+    nodes = {node_id: node for node_id, node in alive_nodes().items() if node_id not in skip}
     refs = [_probe_task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-        node_id, soft=False)).remote(node_id) for node_id in node_ids]
+        node_id, soft=False)).remote(node_id, node["NodeManagerAddress"])
+        for node_id, node in nodes.items()]
     topologies = ray.get(refs, timeout=timeout_s)
     logger.info("probed %d node(s): %s", len(topologies),
                 {t.name: (len(t.gpus), len(t.active_ib_ports())) for t in topologies})
     return {topology.name: topology for topology in topologies}
 
 
-def plan_placement(topologies: Mapping[NodeName, NodeTopology], config: FormationConfig
-                   ) -> PlacementPlan:
+def gpu_budget(nodes: Mapping[NodeName, dict]) -> dict[NodeName, int]:
+    """The GPUs Ray offers on each node (its `GPU` resource): a plan never uses more there."""
+    return {node_id: int(node.get("Resources", {}).get("GPU", 0)) for node_id, node in nodes.items()}
+
+
+def plan_placement(topologies: Mapping[NodeName, NodeTopology], config: FormationConfig,
+                   budget: Optional[Mapping[NodeName, int]] = None) -> PlacementPlan:
+    """The plan over `topologies`, each node's GPUs capped at `budget` (None: no cap)."""
     plan = plan_groups(topologies.values(), config.tp_size, config.num_groups,
-                       cpu_ranks_per_node=config.cpu_ranks_per_node)
+                       cpu_ranks_per_node=config.cpu_ranks_per_node, gpu_budget=budget)
     for line in plan.explanation():
         logger.info("plan: %s", line)
     return plan

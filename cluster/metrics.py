@@ -149,6 +149,7 @@ class MetricsStore:
         self.stale_after_s = stale_after_s
         self._groups: Dict[str, GroupRecord] = {}
         self._failures: Dict[str, int] = {cause: 0 for cause in GROUP_FAILURE_CAUSES}
+        self._info: Dict[str, Dict[str, Any]] = {}
         self._mirror = RayMetricsMirror() if export_to_ray else None
 
     def push(self, group_id: str, snapshot: Mapping[str, Any]) -> None:
@@ -172,6 +173,7 @@ class MetricsStore:
     def remove(self, group_id: str) -> None:
         """A group stopping on purpose (scale-down, redeploy, shutdown): not a failure."""
         self._groups.pop(group_id, None)
+        self._info.pop(group_id, None)
 
     def group_failures(self) -> Dict[str, int]:
         """Failures by cause since the store started (see the class docstring)."""
@@ -195,6 +197,15 @@ class MetricsStore:
                     self._mirror.histogram(PREFIX + key, float(sample), {"group": group_id},
                                            hist.bounds)
 
+    def describe(self, group_id: str, info: Mapping[str, Any]) -> None:
+        """Where a group's ranks run (plain data for `tpserve status`); dropped with the group."""
+        self._info[group_id] = dict(info)
+
+    def descriptions(self) -> Dict[str, Dict[str, Any]]:
+        """``describe``'s data of every live group."""
+        live = self.snapshot()
+        return {group_id: info for group_id, info in self._info.items() if group_id in live}
+
     def snapshot(self) -> Dict[str, GroupRecord]:
         """Every live group's record (copied by Ray when called through the actor)."""
         self._drop_stale()
@@ -204,6 +215,7 @@ class MetricsStore:
         now = time.monotonic()
         for group_id in [g for g, r in self._groups.items()
                          if now - r.pushed_at > self.stale_after_s]:
+            self._info.pop(group_id, None)
             if self._groups.pop(group_id).values.get("engine_alive") == 1.0:
                 self._count_failure("lost")
 

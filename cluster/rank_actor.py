@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import List, Optional
+from typing import List, Mapping, Optional
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -30,6 +30,7 @@ class RankActor:
 
     def run(self, config: RankConfig) -> None:
         """Build the rank, then serve plans until rank 0 broadcasts shutdown (blocks)."""
+        self._device = config.device
         try:
             rank = build_rank(config)
         except BaseException as exc:  # reported through wait_ready
@@ -49,26 +50,37 @@ class RankActor:
             raise self._error
 
     def info(self) -> dict:
-        """Where this rank runs: its node id and process id."""
-        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        """Where this rank runs: node id, the GPU it was given, torch device, process id."""
+        return {"node": ray.get_runtime_context().get_node_id(),
+                "device": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "torch_device": getattr(self, "_device", None), "pid": os.getpid(),
+                "socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
+
+
+def rank_device(device: str) -> str:
+    """A rank actor sees one GPU (Ray's, or the plan's `CUDA_VISIBLE_DEVICES`): `cuda:k` of the
+    engine's numbering is its `cuda:0`; `cpu` stays `cpu`, whatever the bundle reserves."""
+    return "cuda:0" if device.startswith("cuda") else device
 
 
 class RayRankActors:
-    """``workers.multiproc.RankLauncher`` for Ray: rank k goes to bundle k of ``placement_group``."""
+    """``workers.multiproc.RankLauncher`` for Ray: rank k goes to bundle k of ``placement_group``,
+    with ``env_by_rank[k]`` (a planned group's device and interfaces) in its environment."""
 
     def __init__(self, configs: List[RankConfig], placement_group: PlacementGroup,
-                 cpus_per_rank: float, gpus_per_rank: float) -> None:
+                 cpus_per_rank: float, gpus_per_rank: float,
+                 env_by_rank: Optional[Mapping[int, Mapping[str, str]]] = None) -> None:
         self.actors = []
         self._runs = []
         for config in configs:
             rank = config.group.rank
-            if gpus_per_rank:  # Ray narrows CUDA_VISIBLE_DEVICES to the bundle's GPU
-                config = dataclasses.replace(config, device="cuda:0")
+            config = dataclasses.replace(config, device=rank_device(config.device))
+            env = dict((env_by_rank or {}).get(rank, {}))
             actor = RankActor.options(
                 num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=placement_group, placement_group_bundle_index=rank),
-                name=None,
+                name=None, **({"runtime_env": {"env_vars": env}} if env else {}),
             ).remote()
             self.actors.append(actor)
             self._runs.append(actor.run.remote(config))

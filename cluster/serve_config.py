@@ -90,7 +90,7 @@ def serve_config_from_args(args: Mapping[str, Any],
         return ServeConfig(engine=engine_config(values), min_groups=min_groups,
                            max_groups=max_groups, kv_target_occupancy=values.kv_target_occupancy,
                            api_key=api_key, served_model_name=values.served_model_name,
-                           max_migrations=values.max_migrations)
+                           max_migrations=values.max_migrations, placement=values.placement)
     except ValueError as exc:  # the engine's checks name the option (--tp): name the key (args.tp)
         raise ValueError(_OPTION.sub(lambda m: "args." + m[1].replace("-", "_"), str(exc))) \
             from None
@@ -152,7 +152,7 @@ def plan_from_cli(args: argparse.Namespace, engine: EngineConfig) -> ServePlan:
     config = ServeConfig(engine=engine, min_groups=min_groups, max_groups=max_groups,
                          kv_target_occupancy=args.kv_target_occupancy, api_key=args.api_key,
                          served_model_name=args.served_model_name,
-                         max_migrations=args.max_migrations)
+                         max_migrations=args.max_migrations, placement=args.placement)
     return ServePlan(config, host=args.host, port=args.port)
 
 

@@ -21,7 +21,7 @@ import enum
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 from parallel.topology import LinkClass, LinkKind, NodeName, NodeTopology
 
@@ -84,11 +84,13 @@ class PlacementPlan:
     device_kind: DeviceKind
     groups: tuple[PlannedGroup, ...]
     left_out: tuple[LeftOut, ...]
+    warnings: tuple[str, ...] = ()  # "<node>: <what a probe tool could not read>"
 
     def explanation(self) -> list[str]:
         lines = [f"group {k}: {group.reason}" for k, group in enumerate(self.groups)]
-        return lines + [f"left out {item.node} {self.device_kind.unit} {list(item.devices)}: "
-                        f"{item.reason}" for item in self.left_out]
+        lines += [f"left out {item.node} {self.device_kind.unit} {list(item.devices)}: "
+                  f"{item.reason}" for item in self.left_out]
+        return lines + [f"warning: {warning}" for warning in self.warnings]
 
     def to_dict(self) -> dict:
         """The JSON shape of `tpserve topology plan`."""
@@ -100,6 +102,7 @@ class PlacementPlan:
             "explanation": self.explanation(),
             "left_out": [{"node": item.node, "devices": list(item.devices), "reason": item.reason}
                          for item in self.left_out],
+            "warnings": list(self.warnings),
         }
 
 
@@ -130,15 +133,19 @@ Subgroup = tuple[tuple[int, ...], Optional[LinkClass]]
 
 
 def plan_groups(nodes: Iterable[NodeTopology], tp_size: int, num_groups: Optional[int] = None,
-                *, cpu_ranks_per_node: Optional[int] = None) -> PlacementPlan:
+                *, cpu_ranks_per_node: Optional[int] = None,
+                gpu_budget: Optional[Mapping[NodeName, int]] = None) -> PlacementPlan:
     """Plan `num_groups` TP groups of `tp_size` ranks (None: as many as fit), best first.
 
     Ranks go on GPUs when any node has one, else on CPU slots (`cpu_ranks_per_node` per node,
-    default its core count). Raises `ValueError` naming what stands in the way when no valid
+    default its core count). `gpu_budget[node]` caps the GPUs used on a node (the GPUs the
+    cluster manager offers there, which can be fewer than the probe found): the best subgroups
+    are kept, the rest left out. Raises `ValueError` naming what stands in the way when no valid
     grouping (or fewer than `num_groups`) exists.
     """
     nodes = _checked_nodes(nodes, tp_size, num_groups, cpu_ranks_per_node)
     hosts, left_out = _hosts(nodes, cpu_ranks_per_node)
+    hosts, left_out = _within_budget(hosts, tp_size, gpu_budget or {}, left_out)
     kind = DeviceKind.CPU if all(not node.gpus for node in nodes) else DeviceKind.CUDA
     largest = max((len(host.devices) for host in hosts), default=0)
     if tp_size <= largest:
@@ -153,7 +160,8 @@ def plan_groups(nodes: Iterable[NodeTopology], tp_size: int, num_groups: Optiona
         for node in group.node_names:
             left_out.append(LeftOut(node, group.devices_on(node),
                                     f"not needed: {wanted} group(s) requested"))
-    return PlacementPlan(tp_size, kind, tuple(groups[:wanted]), tuple(left_out))
+    warnings = tuple(f"{node.name}: {warning}" for node in nodes for warning in node.warnings)
+    return PlacementPlan(tp_size, kind, tuple(groups[:wanted]), tuple(left_out), warnings)
 
 
 def _checked_nodes(nodes: Iterable[NodeTopology], tp_size: int, num_groups: Optional[int],
@@ -188,6 +196,28 @@ def _hosts(nodes: list[NodeTopology], cpu_ranks_per_node: Optional[int]
         if healthy:
             hosts.append(_Host(node, healthy, DeviceKind.CUDA))
     return hosts, left_out
+
+
+def _within_budget(hosts: list[_Host], tp_size: int, budget: Mapping[NodeName, int],
+                   left_out: list[LeftOut]) -> tuple[list[_Host], list[LeftOut]]:
+    """Each GPU host cut to its budget: its best subgroups of TP (or of the budget, when TP
+    exceeds it) are kept."""
+    kept = []
+    for host in hosts:
+        limit = budget.get(host.name)
+        if host.kind is DeviceKind.CPU or limit is None or limit >= len(host.devices):
+            kept.append(host)
+            continue
+        size = min(tp_size, max(limit, 1))
+        chosen = [d for devices, _ in _node_subgroups(host, size)[0][:limit // size]
+                  for d in devices]
+        dropped = tuple(d for d in host.devices if d not in chosen)
+        left_out.append(LeftOut(host.name, dropped, (
+            f"the cluster offers {limit} GPU(s) on this node; the probe found "
+            f"{len(host.devices)}")))
+        if chosen:
+            kept.append(_Host(host.topology, tuple(sorted(chosen)), host.kind))
+    return kept, left_out
 
 
 def _disjoint_cliques(vertices: list[int], size: int,
@@ -351,41 +381,3 @@ def _no_plan_message(tp_size: int, num_groups: Optional[int], found: int,
     if not reasons:
         reasons = "every usable device is in those groups" if found else "no usable device"
     return f"no valid grouping of TP {tp_size}: {wanted} requested, {found} possible. {reasons}"
-
-
-def nearest_hcas(node: NodeTopology, gpu_indices: Iterable[int]) -> list[str]:
-    """`device:port` of the active IB ports nearest the given GPUs (by the NICs' link classes in
-    the topology matrix); every active IB port when the matrix does not name the HCAs."""
-    active = node.active_ib_ports()
-    nics = [nic for nic in node.nics if nic.name in {port.device for port in active}]
-    chosen = {port.device for port in active}
-    if nics:
-        chosen = set()
-        for index in gpu_indices:
-            position = node.gpu_topology.position_of(index)
-            best = max(nic.gpu_links[position] for nic in nics)
-            chosen |= {nic.name for nic in nics if nic.gpu_links[position] == best}
-    return [f"{port.device}:{port.port}" for port in active if port.device in chosen]
-
-
-def rank_env(group: PlannedGroup, rank: int, node: NodeTopology,
-             socket_ifname: Optional[str] = None) -> dict[str, str]:
-    """Environment for rank `rank` of `group`, which runs on `node`: its one visible GPU (in
-    nvidia-smi's PCI order), NCCL_IB_HCA for groups that span nodes, and the socket interface
-    for NCCL and gloo when one is configured."""
-    if not 0 <= rank < len(group.ranks):
-        raise ValueError(f"rank {rank} is not in a group of {len(group.ranks)}")
-    placement = group.ranks[rank]
-    if placement.node != node.name:
-        raise ValueError(f"rank {rank} runs on {placement.node}, not on {node.name}")
-    env: dict[str, str] = {}
-    if group.device_kind is DeviceKind.CUDA:
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env["CUDA_VISIBLE_DEVICES"] = str(placement.device)
-        hcas = nearest_hcas(node, group.devices_on(node.name)) if group.spans_nodes else []
-        if hcas:
-            env["NCCL_IB_HCA"] = "=" + ",".join(hcas)  # '=': exact names, mlx5_1 is not mlx5_10
-    if socket_ifname:
-        env["NCCL_SOCKET_IFNAME"] = socket_ifname
-        env["GLOO_SOCKET_IFNAME"] = socket_ifname
-    return env

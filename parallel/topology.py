@@ -120,6 +120,7 @@ class GpuTopology:
     gpus: tuple[Gpu, ...] = ()
     links: Links = ()
     nics: tuple[Nic, ...] = ()
+    warnings: tuple[str, ...] = ()  # what the tool said it could not read (a device named)
 
     def __post_init__(self) -> None:
         num_gpus = len(self.gpus)
@@ -160,6 +161,8 @@ class NodeTopology:
     num_cpu_cores: Optional[int] = None
     num_numa_nodes: Optional[int] = None
     sources: tuple[str, ...] = ()
+    socket_ifname: Optional[str] = None  # the interface that carries this node's address
+    warnings: tuple[str, ...] = ()  # probe tools that failed partway, each naming the device
 
     @property
     def gpus(self) -> tuple[Gpu, ...]:
@@ -186,6 +189,8 @@ class NodeTopology:
             "num_cpu_cores": self.num_cpu_cores,
             "num_numa_nodes": self.num_numa_nodes,
             "sources": list(self.sources),
+            "socket_ifname": self.socket_ifname,
+            "warnings": list(self.warnings),
         }
 
 

@@ -8,6 +8,7 @@ error message after the output. Text they cannot read raises `ValueError` naming
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -36,6 +37,36 @@ def _content_lines(text: str) -> list[tuple[int, str]]:
     if lines and lines[0][1].lstrip().startswith("# SOURCE:"):
         lines = lines[1:]
     return lines
+
+
+_BUS_ID = re.compile(r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]")
+_GPU_NAMED = re.compile(r"\bGPU\s?(\d{1,3})\b(?!:[0-9A-Fa-f]{2}:)")
+_QUOTED = re.compile(r"'([^']+)'")
+_HCA_NAMED = re.compile(r"\b((?:mlx\d+|mthca|hfi\d+|qib|bnxt_re|irdma|rxe)_?[A-Za-z0-9_]*)")
+_IB_TOOL_MESSAGE = re.compile(r"(ibpanic|ibwarn|iberror|ibdebug|ibstat)\s*:", re.IGNORECASE)
+
+
+def device_named(line: str) -> str:
+    """The device an error line is about, as it names it: `GPU2 (0000:34:00.0)`, `GPU
+    0000:CB:00.0`, `'mlx5_5'`, `mlx5_3`; or "a device it does not name"."""
+    bus, gpu = _BUS_ID.search(line), _GPU_NAMED.search(line)
+    if gpu and bus:
+        return f"GPU{gpu.group(1)} ({bus.group(0)})"
+    if bus:
+        return f"GPU {bus.group(0)}"
+    if gpu:
+        return f"GPU{gpu.group(1)}"
+    quoted = _QUOTED.search(line)
+    if quoted:
+        return quoted.group(1)
+    hca = _HCA_NAMED.search(line)
+    return hca.group(1) if hca else "a device it does not name"
+
+
+def tool_warning(source: str, number: int, line: str) -> str:
+    """A warning for an error line a tool printed among its output."""
+    return (f"{source}: line {number}: the tool reported an error about {device_named(line)}: "
+            f"{line.strip()!r}; only what it printed besides is used")
 
 
 def _line_error(source: str, number: int, line: str, expected: str) -> ValueError:
@@ -131,19 +162,18 @@ def parse_nvidia_smi_topo(text: str) -> GpuTopology:
         elif not matrix.is_complete:
             _read_row(matrix, number, line)
         elif not (_LEGEND_TITLE.match(line.strip()) or _read_legend_entry(matrix, line)):
-            logger.warning("nvidia-smi topo -m: line %d after the matrix skipped: %r",
-                           number, line.strip())
+            skipped.append((number, line))
     if matrix is None:
         number, line = skipped[0] if skipped else (1, text)
         raise _line_error("nvidia-smi topo -m", number, line,
                           "a header row of GPU columns (GPU0 GPU1 ... CPU Affinity)")
-    for number, line in skipped:
-        logger.warning("nvidia-smi topo -m: line %d before the matrix skipped: %r",
-                       number, line.strip())
     if not matrix.is_complete:
         missing = [label for label in matrix.device_labels if label not in matrix.rows]
         raise ValueError(f"nvidia-smi topo -m: the matrix ends before the rows of {missing}")
-    return _build_gpu_topology(matrix)
+    warnings = tuple(tool_warning("nvidia-smi topo -m", number, line) for number, line in skipped)
+    for warning in warnings:
+        logger.warning("%s", warning)
+    return dataclasses.replace(_build_gpu_topology(matrix), warnings=warnings)
 
 
 def _affinity_value(matrix: _Matrix, values: list[str], title: str) -> Optional[str]:
@@ -225,15 +255,33 @@ def _make_port(device: str, port: int, fields: dict[str, str], where: str) -> IB
     )
 
 
+@dataclass(frozen=True)
+class IBStatReport:
+    """The ports `ibstat` printed and the errors it printed among them, each naming a device."""
+
+    ports: tuple[IBPort, ...]
+    warnings: tuple[str, ...] = ()
+
+
 def parse_ibstat(text: str) -> list[IBPort]:
-    """Parse `ibstat`: every port of every CA. Lines after the last port that are not `key: value`
-    (a tool's error) are logged and skipped; such a line before a later CA or port raises."""
+    """The ports of `read_ibstat` (its warnings are logged)."""
+    return list(read_ibstat(text).ports)
+
+
+def read_ibstat(text: str) -> IBStatReport:
+    """Parse `ibstat`: every port of every CA. The tool's own messages (`ibpanic:`, `ibwarn:`,
+    `iberror:`) anywhere, and lines after the last port that are not `key: value`, become
+    warnings; any other unreadable line before a later CA or port raises `ValueError`."""
     blocks: list[tuple[str, int, int, dict[str, str]]] = []  # device, port, line, fields
     device: Optional[str] = None
     in_port = False
     unread: list[tuple[int, str]] = []
+    messages: list[tuple[int, str]] = []
     for number, line in _content_lines(text):
         stripped = line.strip()
+        if _IB_TOOL_MESSAGE.match(stripped):
+            messages.append((number, line))
+            continue
         ca, port = _CA_LINE.fullmatch(stripped), _PORT_LINE.fullmatch(stripped)
         pair = _KEY_VALUE.fullmatch(stripped)
         if (ca or port) and unread:
@@ -251,10 +299,13 @@ def parse_ibstat(text: str) -> list[IBPort]:
             unread.append((number, line))
     if device is None and unread:
         raise _line_error("ibstat", *unread[0], "CA '<name>' blocks")
-    for number, line in unread:
-        logger.warning("ibstat: line %d after the last port skipped: %r", number, line.strip())
-    return [_make_port(device, port, fields, f"ibstat: line {number}")
-            for device, port, number, fields in blocks]
+    warnings = tuple(tool_warning("ibstat", number, line)
+                     for number, line in sorted(messages + unread))
+    for warning in warnings:
+        logger.warning("%s", warning)
+    ports = tuple(_make_port(device, port, fields, f"ibstat: line {number}")
+                  for device, port, number, fields in blocks)
+    return IBStatReport(ports, warnings)
 
 
 def _natural_key(name: str) -> list:

@@ -29,7 +29,7 @@ from parallel.topology import (
     NodeName,
     NodeTopology,
 )
-from parallel.topology_parse import parse_ibstat, parse_nvidia_smi_topo, parse_sysfs_infiniband
+from parallel.topology_parse import parse_nvidia_smi_topo, parse_sysfs_infiniband, read_ibstat
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +40,11 @@ SYSFS_NUMA_NODES = "/sys/devices/system/node"
 _TOOL_TIMEOUT_S = 30.0
 
 
-def probe_node(name: Optional[str] = None) -> NodeTopology:
-    """This node's topology, named `name` (default: the host name)."""
+def probe_node(name: Optional[str] = None, address: Optional[str] = None) -> NodeTopology:
+    """This node's topology, named `name` (default: the host name); `address` (the node's
+    cluster address) names the socket interface ranks on this node talk over."""
     gpu_topology, gpu_source = probe_gpus()
-    ib_ports, ib_source = probe_ib_ports()
+    ib_ports, ib_source, ib_warnings = probe_ib_ports()
     return NodeTopology(
         name=NodeName(name or socket.gethostname()),
         gpu_topology=gpu_topology,
@@ -51,6 +52,8 @@ def probe_node(name: Optional[str] = None) -> NodeTopology:
         num_cpu_cores=count_cpu_cores(),
         num_numa_nodes=count_numa_nodes(),
         sources=tuple(source for source in (gpu_source, ib_source) if source),
+        socket_ifname=interface_of(address) if address else None,
+        warnings=gpu_topology.warnings + tuple(ib_warnings),
     )
 
 
@@ -62,10 +65,12 @@ def probe_gpus() -> tuple[GpuTopology, Optional[str]]:
     topology = probe_nvml()
     if topology is not None:
         return _with_nvidia_smi_nics(topology), "nvml"
-    text = _run_tool(["nvidia-smi", "topo", "-m"])
-    if text is not None:
+    run = _run_tool(["nvidia-smi", "topo", "-m"])
+    if run is not None:
+        text, failed = run
         try:
-            return parse_nvidia_smi_topo(text), "nvidia-smi"
+            topology = parse_nvidia_smi_topo(text)
+            return dataclasses.replace(topology, warnings=topology.warnings + failed), "nvidia-smi"
         except ValueError as exc:
             logger.warning("nvidia-smi topo -m printed what cannot be read, no GPUs used: %s", exc)
     return GpuTopology(), None
@@ -73,11 +78,11 @@ def probe_gpus() -> tuple[GpuTopology, Optional[str]]:
 
 def _with_nvidia_smi_nics(topology: GpuTopology) -> GpuTopology:
     """NVML knows no NICs: take their GPU affinity from `nvidia-smi topo -m` when it runs."""
-    text = _run_tool(["nvidia-smi", "topo", "-m"])
-    if text is None:
+    run = _run_tool(["nvidia-smi", "topo", "-m"])
+    if run is None:
         return topology
     try:
-        nics = parse_nvidia_smi_topo(text).nics
+        nics = parse_nvidia_smi_topo(run[0]).nics
     except ValueError as exc:
         logger.warning("NIC affinity unknown, nvidia-smi topo -m unreadable: %s", exc)
         return topology
@@ -87,23 +92,27 @@ def _with_nvidia_smi_nics(topology: GpuTopology) -> GpuTopology:
     return dataclasses.replace(topology, nics=nics)
 
 
-def probe_ib_ports() -> tuple[list[IBPort], Optional[str]]:
-    """The InfiniBand ports and the name of their source, or [] and None."""
+def probe_ib_ports() -> tuple[list[IBPort], Optional[str], tuple[str, ...]]:
+    """The InfiniBand ports, the name of their source (or [] and None), and warnings about
+    devices the source could not read."""
     fixture = os.environ.get(IBSTAT_FILE_ENV)
     if fixture:
-        return parse_ibstat(_read_file(fixture, IBSTAT_FILE_ENV)), f"file:{fixture}"
+        report = read_ibstat(_read_file(fixture, IBSTAT_FILE_ENV))
+        return list(report.ports), f"file:{fixture}", report.warnings
     if os.path.isdir(SYSFS_INFINIBAND):
         try:
-            return parse_sysfs_infiniband(SYSFS_INFINIBAND), "sysfs"
+            return parse_sysfs_infiniband(SYSFS_INFINIBAND), "sysfs", ()
         except (OSError, ValueError) as exc:
             logger.warning("cannot read %s, trying ibstat: %s", SYSFS_INFINIBAND, exc)
-    text = _run_tool(["ibstat"])
-    if text is not None:
+    run = _run_tool(["ibstat"])
+    if run is not None:
+        text, failed = run
         try:
-            return parse_ibstat(text), "ibstat"
+            report = read_ibstat(text)
+            return list(report.ports), "ibstat", report.warnings + failed
         except ValueError as exc:
             logger.warning("ibstat printed what cannot be read, no IB ports used: %s", exc)
-    return [], None
+    return [], None, ()
 
 
 def count_cpu_cores() -> Optional[int]:
@@ -131,8 +140,10 @@ def _read_file(path: str, variable: str) -> str:
         raise OSError(f"{variable}={path}: cannot read the topology file: {exc}") from exc
 
 
-def _run_tool(argv: list[str]) -> Optional[str]:
-    """The tool's stdout, or None (logged) when it is missing, fails or hangs."""
+def _run_tool(argv: list[str]) -> Optional[tuple[str, tuple[str, ...]]]:
+    """The tool's output (stdout, then stderr) and a warning when it exited non-zero; None
+    (logged) when it is missing, hangs, or fails without printing anything on stdout. A tool
+    that fails partway keeps what it printed: its error line names the device it stopped at."""
     if shutil.which(argv[0]) is None:
         logger.info("%s not on PATH", argv[0])
         return None
@@ -142,11 +153,29 @@ def _run_tool(argv: list[str]) -> Optional[str]:
     except (OSError, subprocess.TimeoutExpired) as exc:
         logger.warning("%s failed: %s", " ".join(argv), exc)
         return None
-    if done.returncode != 0:
-        logger.warning("%s exited %d: %s", " ".join(argv), done.returncode,
+    command = " ".join(argv)
+    if done.returncode != 0 and not done.stdout.strip():
+        logger.warning("%s exited %d: %s", command, done.returncode,
                        (done.stderr or done.stdout).strip()[:500])
         return None
-    return done.stdout
+    failed: tuple[str, ...] = ()
+    if done.returncode != 0:
+        failed = (f"{command} exited {done.returncode} after printing part of its output: "
+                  f"{done.stderr.strip()[:300]!r}",)
+        logger.warning("%s", failed[0])
+    return done.stdout + ("\n" + done.stderr if done.stderr.strip() else ""), failed
+
+
+def interface_of(address: str) -> Optional[str]:
+    """The name of the network interface that holds `address` (`ip -o addr`), or None."""
+    run = _run_tool(["ip", "-o", "-4", "addr", "show"])
+    if run is None:
+        return None
+    for line in run[0].splitlines():  # "2: eth0    inet 10.0.0.5/24 brd ... scope global eth0"
+        fields = line.split()
+        if len(fields) >= 4 and fields[2] == "inet" and fields[3].split("/")[0] == address:
+            return fields[1].split("@")[0]
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -362,6 +362,11 @@ class LLMEngine:
         self.step_records.append(StepRecord(seqs, logits, duration_s))
 
     @property
+    def rank_device(self) -> torch.device:
+        """The device rank 0 computes on."""
+        return self._device
+
+    @property
     def child_ranks(self):
         """The launcher's handles of ranks 1..N-1 (None at TP 1)."""
         return self._children

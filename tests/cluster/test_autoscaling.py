@@ -30,5 +30,20 @@ def test_policy_scales_up_at_once_and_down_after_a_streak():
         decisions.append(num)
     assert decisions == [3, 3, 1]
     num, state = policy(ctx([0.1, 0.1, 0.1], 3, {"low_streak": 2}))
-    assert num == 1 and state["low_streak"] == 0
+    assert num == 1
+    num, state = policy(ctx([0.9, 0.9, 0.9], 3, state))
+    assert num == 4 and state["low_streak"] == 0  # load again: the streak starts over
+
+
+def test_a_low_streak_keeps_asking_for_fewer_groups():
+    """Serve scales down only after `downscale_delay_s` of the same decision: a policy that went
+    back to the current count every third call would never let it (found by
+    scripts/autoscale_demo.py, which stayed at 2 groups under a trickle)."""
+    policy = KVLoadPolicy(target_occupancy=0.7, downscale_after=3)
+    state = {}
+    decisions = []
+    for _ in range(8):
+        num, state = policy(ctx([0.05, 0.05], 2, state))
+        decisions.append(num)
+    assert decisions == [2, 2, 1, 1, 1, 1, 1, 1]
 

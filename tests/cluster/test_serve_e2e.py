@@ -110,7 +110,7 @@ def test_bad_request_and_wrong_key(client):
 def test_group_ranks_share_one_node_by_default(client):
     handle = serve.get_deployment_handle("TPGroup", app_name="tpserve")
     ranks = handle.rank_info.remote().result()
-    assert len(ranks) == 2 and ranks[0]["node_id"] == ranks[1]["node_id"]
+    assert len(ranks) == 2 and ranks[0]["node"] == ranks[1]["node"]
     assert ranks[0]["pid"] != ranks[1]["pid"]
 
 
@@ -131,3 +131,34 @@ def test_health_reports_the_serving_groups_and_n_choices_on_a_tp2_group(client, 
     assert [c.index for c in out.choices] == [0, 1]
     assert out.choices[0].text == out.choices[1].text
     assert out.usage.completion_tokens == 2 * len(expected[0])
+
+
+def test_status_json_against_the_local_serve(client):
+    """`tpserve status --json` as a user runs it, against this local serve (Serve places the
+    group: no plan on a CPU-only machine)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    address = ray.get_runtime_context().gcs_address
+    deadline = time.monotonic() + 30
+    while True:  # the group describes its ranks with its first metrics push (every second)
+        done = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--address",
+                               address, "--json"], cwd=repo, capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "RAY_AUTH_MODE": "token",
+                                                "PYTHONPATH": str(repo)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        data = json.loads(done.stdout)
+        if data["groups"] and data["groups"][0]["ranks"] or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert data["placement"] == "serve" and data["plan"] is None
+    (group,) = data["groups"]
+    handle = serve.get_deployment_handle("TPGroup", app_name="tpserve")
+    ranks = handle.rank_info.remote().result()
+    assert [(r["node"], r["pid"]) for r in group["ranks"]] == [(r["node"], r["pid"])
+                                                               for r in ranks]
+    assert 0.0 <= group["kv_usage"] <= 1.0 and group["running"] == 0 and group["waiting"] == 0
+    assert data["deployment"]["status"] == "HEALTHY" and data["errors"] == []

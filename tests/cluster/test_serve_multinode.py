@@ -27,7 +27,7 @@ def test_group_spanning_two_nodes_equals_transformers(tiny_llama):
         try:
             client = serve_app(tiny_llama, free_port(), placement_strategy="STRICT_SPREAD")
             ranks = serve.get_deployment_handle("TPGroup", app_name="tpserve").rank_info.remote()
-            assert len({rank["node_id"] for rank in ranks.result()}) == 2
+            assert len({rank["node"] for rank in ranks.result()}) == 2
             for prompt, want in zip(PROMPTS, expected):
                 out = client.completions.create(model="tiny", prompt=prompt,
                                                 max_tokens=MAX_NEW, temperature=0.0)

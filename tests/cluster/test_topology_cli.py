@@ -32,7 +32,8 @@ def tpserve_json(*args: str, env: dict | None = None) -> dict:
 
 def test_parse_h100_json_shape():
     data = tpserve_json("parse", "--nvidia-smi", H100_TOPO, "--ibstat", H100_IBSTAT)
-    assert set(data) == {"gpus", "links", "nics", "ib_ports"}
+    assert set(data) == {"gpus", "links", "nics", "ib_ports", "warnings"}
+    assert data["warnings"] == []
     assert [(gpu["index"], gpu["numa_node"]) for gpu in data["gpus"]] == [(i, 0) for i in range(8)]
     assert data["links"][0] == ["X"] + ["NV18"] * 7 and data["links"][7][7] == "X"
     assert [nic["name"] for nic in data["nics"]] == [f"mlx5_{k}" for k in range(12)]
@@ -69,6 +70,19 @@ def test_plan_within_nodes_with_a_group_count():
     assert data["groups"] == [[{"node": "a", "device": 0}, {"node": "a", "device": 1}]]
     assert data["left_out"] == [{"node": "b", "devices": [0, 1],
                                  "reason": "not needed: 1 group(s) requested"}]
+
+
+def test_plan_from_an_ibstat_that_failed_partway_warns_naming_the_device(tmp_path):
+    text = A100_IBSTAT.read_text(encoding="utf-8")
+    truncated = tmp_path / "ibstat.txt"
+    truncated.write_text(text[:text.index("CA 'mlx5_5'")] + "ibpanic: [2137592] main: stat of "
+                         "IB device 'mlx5_5' failed: No such file or directory\n")
+    data = tpserve_json("plan", "--node", f"a={PCIE_TOPO},{truncated}", "--tp", "2")
+    (warning,) = data["warnings"]
+    assert warning.startswith("a: ibstat: line ") and "mlx5_5" in warning
+    assert data["explanation"][-1] == f"warning: {warning}"
+    done = tpserve("plan", "--node", f"a={PCIE_TOPO},{truncated}", "--tp", "2")
+    assert "warning: a: ibstat" in done.stdout and "'mlx5_5'" in done.stdout
 
 
 def test_plan_without_a_valid_grouping_fails_clearly():

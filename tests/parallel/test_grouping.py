@@ -12,13 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel.grouping import (
-    DeviceKind,
-    PlacementPlan,
-    nearest_hcas,
-    plan_groups,
-    rank_env,
-)
+from parallel.grouping import DeviceKind, PlacementPlan, plan_groups
+from parallel.rank_env import nearest_hcas, rank_env
 from parallel.topology import (
     Gpu,
     GpuIndex,
@@ -296,6 +291,16 @@ def test_rank_env_of_a_spanning_group_limits_hcas_to_the_nearest():
     assert "mlx5_5:1" not in rank_env(group, 0, nodes[0])["NCCL_IB_HCA"]  # a port down
 
 
+def test_rank_env_takes_the_socket_interface_the_probe_found():
+    """Each rank gets its own node's interface (a veth in one namespace, eth0 in another);
+    a configured interface overrides it."""
+    nodes = [dataclasses.replace(dgx(n), socket_ifname=f"veth-{n}") for n in "ab"]
+    group = plan_groups(nodes, 16).groups[0]
+    assert rank_env(group, 0, nodes[0])["GLOO_SOCKET_IFNAME"] == "veth-a"
+    assert rank_env(group, 8, nodes[1])["NCCL_SOCKET_IFNAME"] == "veth-b"
+    assert rank_env(group, 8, nodes[1], socket_ifname="ib0")["GLOO_SOCKET_IFNAME"] == "ib0"
+
+
 def test_nearest_hcas_follow_pix_affinity_then_fall_back():
     a = dgx("a", down=[2])
     assert nearest_hcas(a, [0, 1]) == ["mlx5_0:1", "mlx5_1:1"]
@@ -408,3 +413,22 @@ def test_a_node_first_group_is_as_fast_as_any_clique(topology, tp):
         for c in itertools.combinations(healthy, tp))
     plan = plan_groups([topology], tp)
     assert plan.groups[0].link == best
+
+
+def test_gpu_budget_keeps_the_best_subgroup_and_says_why():
+    """A node whose cluster manager offers 2 of its 8 NV18 GPUs gives one group, not four."""
+    from parallel.topology_parse import parse_nvidia_smi_topo
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[1] / "data" / "topology"
+    h100 = parse_nvidia_smi_topo((data / "nvidia-smi-topo_h100x8_nv18_12nic.txt").read_text())
+    pcie = parse_nvidia_smi_topo((data / "nvidia-smi-topo_pcie2_phb.txt").read_text())
+    nodes = [NodeTopology(NodeName("a"), pcie), NodeTopology(NodeName("b"), h100)]
+    plan = plan_groups(nodes, 2, gpu_budget={NodeName("b"): 2, NodeName("a"): 2})
+    assert [[(r.node, r.device) for r in g.ranks] for g in plan.groups] == [
+        [("b", 0), ("b", 1)], [("a", 0), ("a", 1)]]
+    assert str(plan.groups[0].link) == "NV18" and str(plan.groups[1].link) == "PHB"
+    (cut,) = plan.left_out
+    assert cut.node == "b" and cut.devices == (2, 3, 4, 5, 6, 7)
+    assert "offers 2 GPU(s)" in cut.reason
+    assert len(plan_groups(nodes, 2).groups) == 5

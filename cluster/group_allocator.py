@@ -1,0 +1,185 @@
+"""The allocator: one named Ray actor that owns the topology plan and hands its groups to serving
+replicas, one group each.
+
+    get_group_allocator(config)   the cluster's allocator (created on first use, detached)
+    allocator.claim(replica, handle) -> PlannedClaim, or raises NoPlannedGroupError
+    allocator.release(replica)    a replica shutting down gives its group back
+    allocator.status()            plan, claims and refusals for `tpserve status`
+
+At start it probes every node (one task pinned to each) and plans with `parallel.grouping`, each
+node's GPUs capped at what Ray offers there. A claim takes the first unheld planned group and
+creates its placement group: bundle k pinned to the node of rank k (`cluster.formation`), so Ray's
+GPU counts stay right while the plan, not Ray, picks the device. Before refusing, it takes back
+the groups of replicas that died (their actor no longer answers) and probes nodes that joined
+since: their groups are appended to the plan. A refusal is kept and shown by `tpserve status`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from cluster.formation import (
+    FormationConfig,
+    alive_nodes,
+    create_group_placement_group,
+    gpu_budget,
+    plan_placement,
+    probe_cluster,
+    rank_actor_options,
+)
+from cluster.group_claims import Claim, beyond_plan_message, claim, plan_summary
+from parallel.grouping import PlacementPlan, PlannedGroup
+from parallel.topology import NodeName, NodeTopology
+
+logger = logging.getLogger(__name__)
+
+ALLOCATOR_NAME = "tpserve-group-allocator"
+ALLOCATOR_NAMESPACE = "tpserve"
+
+
+class NoPlannedGroupError(RuntimeError):
+    """More replicas than planned groups: this one is not placed anywhere."""
+
+
+@dataclass(frozen=True)
+class PlannedClaim:
+    """What a replica needs to start its group: the group, its placement group and each rank's
+    `.options(...)` (bundle, resources, environment)."""
+
+    index: int
+    group: PlannedGroup
+    placement_group: PlacementGroup
+    rank_options: List[Dict[str, Any]]
+
+
+class GroupAllocator:
+    def __init__(self, config: FormationConfig) -> None:
+        self.config = config
+        self.topologies: Dict[NodeName, NodeTopology] = probe_cluster(config.probe_timeout_s)
+        self.plan: PlacementPlan = plan_placement(self.topologies, config,
+                                                  gpu_budget(alive_nodes()))
+        self.groups: List[PlannedGroup] = list(self.plan.groups)
+        self.claims: Dict[int, Claim] = {}
+        self.holders: Dict[str, Any] = {}  # replica -> its actor handle
+        self.placement_groups: Dict[str, PlacementGroup] = {}
+        self.refusals: Dict[str, Dict[str, Any]] = {}
+
+    def claim(self, replica: str, handle: Any) -> PlannedClaim:
+        index = claim(len(self.groups), self.claims, replica)
+        if index is None:
+            self._take_back_dead()
+            self._add_joined_nodes()
+            index = claim(len(self.groups), self.claims, replica)
+        if index is None:
+            message = beyond_plan_message(replica, self._current_plan(), self.claims)
+            self.refusals[replica] = {"replica": replica, "time": time.time(),
+                                      "message": message}
+            logger.error("%s", message)
+            raise NoPlannedGroupError(message)
+        self.refusals.pop(replica, None)
+        group = self.groups[index]
+        if replica not in self.placement_groups:
+            self.placement_groups[replica] = create_group_placement_group(
+                group, self.config, name=f"tpserve-group-{index}")
+        self.claims[index] = Claim(index, replica, time.time())
+        self.holders[replica] = handle
+        pg = self.placement_groups[replica]
+        options = [rank_actor_options(group, rank, pg, self.topologies[placement.node],
+                                      self.config)
+                   for rank, placement in enumerate(group.ranks)]
+        logger.info("replica %s claims planned group %d: %s", replica, index,
+                    [(r.node, r.device) for r in group.ranks])
+        return PlannedClaim(index, group, pg, options)
+
+    def release(self, replica: str) -> None:
+        for index, held in list(self.claims.items()):
+            if held.replica == replica:
+                del self.claims[index]
+                logger.info("replica %s gives back planned group %d", replica, index)
+        self.holders.pop(replica, None)
+        self.refusals.pop(replica, None)
+        pg = self.placement_groups.pop(replica, None)
+        if pg is not None:
+            remove_placement_group(pg)
+
+    def status(self) -> Dict[str, Any]:
+        self._take_back_dead()
+        return {"plan": plan_summary(self._current_plan()),
+                "claims": [{"group": c.group, "replica": c.replica, "since": c.since}
+                           for c in sorted(self.claims.values(), key=lambda c: c.group)],
+                "refusals": list(self.refusals.values())}
+
+    def placement_groups_held(self) -> List[PlacementGroup]:
+        return list(self.placement_groups.values())
+
+    def _current_plan(self) -> PlacementPlan:
+        return PlacementPlan(self.plan.tp_size, self.plan.device_kind, tuple(self.groups),
+                             self.plan.left_out, self.plan.warnings)
+
+    def _take_back_dead(self, timeout_s: float = 2.0) -> None:
+        """Release the groups of replicas whose actor died (a replica that answers late is
+        alive: only a dead actor's error frees its group)."""
+        for replica, handle in list(self.holders.items()):
+            ref = handle.__ray_ready__.remote()
+            ready, _ = ray.wait([ref], timeout=timeout_s)
+            if not ready:
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                logger.warning("replica %s died: its planned group is free again", replica)
+                self.release(replica)
+
+    def _add_joined_nodes(self) -> None:
+        """Probe nodes that joined since the plan and append the groups they make among
+        themselves (a new node's GPUs are never joined with older nodes' leftovers)."""
+        joined = {node_id for node_id in alive_nodes() if node_id not in self.topologies}
+        if not joined:
+            return
+        new = probe_cluster(self.config.probe_timeout_s, skip=frozenset(self.topologies))
+        self.topologies.update(new)
+        try:
+            more = plan_placement(new, FormationConfig(**{**self.config.__dict__,
+                                                          "num_groups": None}),
+                                  gpu_budget(alive_nodes()))
+        except ValueError as exc:
+            logger.warning("nodes %s joined but form no group: %s", sorted(new), exc)
+            return
+        self.groups += list(more.groups)
+        self.plan = PlacementPlan(self.plan.tp_size, self.plan.device_kind, tuple(self.groups),
+                                  self.plan.left_out + more.left_out,
+                                  self.plan.warnings + more.warnings)
+        logger.info("%d node(s) joined: %d more planned group(s)", len(new), len(more.groups))
+
+
+GroupAllocatorActor = ray.remote(GroupAllocator)
+
+
+def get_group_allocator(config: Optional[FormationConfig] = None):
+    """The cluster's allocator; created (detached, no CPU) with `config` when it does not exist."""
+    if config is None:
+        return ray.get_actor(ALLOCATOR_NAME, namespace=ALLOCATOR_NAMESPACE)
+    return GroupAllocatorActor.options(
+        name=ALLOCATOR_NAME, namespace=ALLOCATOR_NAMESPACE, get_if_exists=True,
+        lifetime="detached", num_cpus=0).remote(config)
+
+
+def kill_group_allocator() -> None:
+    """Remove the allocator and so every planned placement group it holds."""
+    try:
+        handle = ray.get_actor(ALLOCATOR_NAME, namespace=ALLOCATOR_NAMESPACE)
+    except ValueError:
+        return  # never created: Serve placed the groups
+    try:
+        for pg in ray.get(handle.placement_groups_held.remote(), timeout=10):
+            remove_placement_group(pg)
+    except Exception as exc:  # noqa: BLE001 - best effort: the actor may be dying already
+        logger.warning("could not list the allocator's placement groups: %s", exc)
+    ray.kill(handle)
+

@@ -1,0 +1,117 @@
+"""The allocator's policy and `tpserve status`'s report, on plain inputs (no Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.app import ServeConfig, group_placement_options, group_resources, planned_placement
+from cluster.group_claims import (
+    Claim,
+    beyond_plan_message,
+    claim,
+    compute_device,
+    plan_summary,
+    rank_torch_device,
+    render_status,
+    status_report,
+)
+from cluster.rank_actor import rank_device
+from parallel.grouping import DeviceKind, plan_groups
+from parallel.topology import NodeName, NodeTopology
+from parallel.topology_parse import parse_nvidia_smi_topo
+from workers.config import EngineConfig
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "topology"
+
+
+def _plan():
+    h100 = parse_nvidia_smi_topo((DATA / "nvidia-smi-topo_h100x8_nv18_12nic.txt").read_text())
+    pcie = parse_nvidia_smi_topo((DATA / "nvidia-smi-topo_pcie2_phb.txt").read_text())
+    return plan_groups([NodeTopology(NodeName("a"), pcie), NodeTopology(NodeName("b"), h100)],
+                       2, gpu_budget={NodeName("b"): 2})
+
+
+def test_claims_go_in_plan_order_and_come_back():
+    claims: dict = {}
+    assert claim(2, claims, "r1") == 0
+    claims[0] = Claim(0, "r1", 0.0)
+    assert claim(2, claims, "r1") == 0  # asking again: the same group
+    assert claim(2, claims, "r2") == 1
+    claims[1] = Claim(1, "r2", 1.0)
+    assert claim(2, claims, "r3") is None  # beyond the plan
+    del claims[0]  # r1 died or scaled down
+    assert claim(2, claims, "r3") == 0
+
+
+def test_beyond_plan_message_names_replica_and_holders():
+    plan = _plan()
+    message = beyond_plan_message("r3", plan, {0: Claim(0, "r1", 0), 1: Claim(1, "r2", 0)})
+    assert "replica r3 has no planned group" in message
+    assert "2 group(s) of TP 2" in message and "['r1', 'r2']" in message
+
+
+@pytest.mark.parametrize("engine, kind, want", [
+    ("auto", DeviceKind.CUDA, "cuda"), ("cuda", DeviceKind.CUDA, "cuda"),
+    ("cpu", DeviceKind.CUDA, "cpu"), ("auto", DeviceKind.CPU, "cpu"), ("cpu", DeviceKind.CPU, "cpu"),
+])
+def test_compute_device_is_explicit(engine, kind, want):
+    assert compute_device(engine, kind) == want
+
+
+def test_compute_device_refuses_what_cannot_be():
+    with pytest.raises(ValueError, match="found no GPU"):
+        compute_device("cuda", DeviceKind.CPU)
+    with pytest.raises(ValueError, match="'tpu'"):
+        compute_device("tpu", DeviceKind.CUDA)
+
+
+def test_rank_devices_under_the_plans_visible_gpu():
+    assert rank_torch_device("cuda") == "cuda:0" and rank_torch_device("cpu") == "cpu"
+    assert rank_device("cuda:1") == "cuda:0" and rank_device("cpu") == "cpu"
+
+
+def test_plan_summary_and_status_report():
+    plan = plan_summary(_plan())
+    assert plan["groups"] == [[{"node": "b", "device": 0}, {"node": "b", "device": 1}],
+                              [{"node": "a", "device": 0}, {"node": "a", "device": 1}]]
+    assert [link["link"] for link in plan["links"]] == ["NV18", "PHB"]
+    ranks = [{"node": "b", "device": "0", "pid": 11}, {"node": "b", "device": "1", "pid": 12}]
+    report = status_report(
+        plan, [{"group": 0, "replica": "r1", "since": 0.0}],
+        [{"replica": "r3", "time": 0.0, "message": "replica r3 has no planned group"}],
+        {"r1": {"ranks": ranks, "planned_group": 0, "kv_usage": 0.25, "running": 2,
+                "waiting": 1}},
+        {"status": "HEALTHY", "message": ""})
+    assert report["groups"] == [{"replica": "r1", "planned_group": 0, "ranks": ranks,
+                                 "kv_usage": 0.25, "running": 2, "waiting": 1}]
+    assert report["unclaimed_groups"] == [1] and report["placement"] == "plan"
+    assert report["errors"] == ["replica r3 has no planned group"]
+    text = render_status(report)
+    assert "replica r1 (planned group 0): kv 25%, running 2, waiting 1" in text
+    assert "rank 1: node b device 1 pid 12" in text and "error: replica r3" in text
+    assert "unclaimed planned groups: [1]" in text
+
+
+def test_status_without_a_plan():
+    report = status_report(None, [], [], {}, None)
+    assert report["placement"] == "serve" and report["unclaimed_groups"] == []
+    assert "Serve places each group" in render_status(report)
+
+
+def test_placement_choice_follows_the_cluster():
+    config = ServeConfig(engine=EngineConfig(model="default", tp_size=2))
+    cpu, gpu = {"CPU": 2.0}, {"CPU": 16.0, "GPU": 8.0}
+    assert planned_placement(config, cpu, group_resources(config, cpu)) is None
+    planned = planned_placement(config, gpu, group_resources(config, gpu))
+    assert planned.formation.tp_size == 2 and planned.formation.cpus_per_rank == 1.0
+    forced = ServeConfig(engine=config.engine, placement="plan", cpu_ranks_per_node=1)
+    assert planned_placement(forced, cpu, group_resources(forced, cpu)).formation \
+        .cpu_ranks_per_node == 1
+    options = group_placement_options(group_resources(config, gpu), 2, "PACK", planned)
+    assert options == {"ray_actor_options": {"num_cpus": 0, "num_gpus": 0}}
+    options = group_placement_options(group_resources(config, cpu), 2, "PACK", None)
+    assert len(options["placement_group_bundles"]) == 2
+    with pytest.raises(ValueError, match="--placement must be"):
+        ServeConfig(engine=config.engine, placement="random")
