@@ -33,6 +33,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="attention kernels: torch (PyTorch reference) or triton (paged "
                              "kernels; on CPU only under TRITON_INTERPRET=1); auto: triton on "
                              "CUDA, torch on CPU")
+    parser.add_argument("--step-timeout-s", type=float, default=30.0,
+                        help="how long a collective of a TP group may wait, and the floor of "
+                             "the deadline after which a serving group with a hung rank is "
+                             "declared failed (default 30)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs: every decode step launches its kernels (by "
                              "default decode steps replay CUDA graphs on CUDA with the triton "
@@ -63,6 +67,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        step_timeout_s=args.step_timeout_s,
         seed=args.seed if args.seed is not None else 0,
         host_kv_gb=args.host_kv_gb, host_kv_blocks=args.host_kv_blocks,
         disk_kv_dir=args.disk_kv_dir, disk_kv_gb=args.disk_kv_gb,

@@ -33,6 +33,9 @@ from parallel.latency import LatencyRecorder, SampledEventTimer
 logger = logging.getLogger(__name__)
 
 
+RENDEZVOUS_S = 600.0  # how long the first rank waits for the others to start and join
+
+
 @dataclass(frozen=True)
 class TPGroupConfig:
     """How a rank joins its group: ``init_method`` is a ``tcp://host:port`` that rank 0 listens on."""
@@ -40,7 +43,7 @@ class TPGroupConfig:
     rank: int
     world_size: int
     init_method: Optional[str] = None
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # every collective of the group (the engine sets its step timeout)
     all_reduce_timing_interval: int = 64  # on CUDA, time one all-reduce in this many
 
     def __post_init__(self) -> None:
@@ -141,9 +144,11 @@ def init_tp_group(config: TPGroupConfig, device: torch.device) -> TPGroup:
     timeout = timedelta(seconds=config.timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # The rendezvous waits for ranks still starting (a process, its imports): not a step. The
+    # groups every collective runs on use ``timeout_s``.
     dist.init_process_group(
         backend=backend, init_method=config.init_method, rank=config.rank,
-        world_size=config.world_size, timeout=timeout,
+        world_size=config.world_size, timeout=max(timeout, timedelta(seconds=RENDEZVOUS_S)),
     )
     ranks = list(range(config.world_size))
     device_group = dist.new_group(ranks, backend=backend, timeout=timeout)

@@ -22,6 +22,7 @@ from typing import AsyncIterator, Callable, Deque, Dict, List, Optional, Sequenc
 from kv.kv_manager import KVUsage
 from workers.engine import LLMEngine, RequestOutput
 from workers.sampling_params import SamplingParams
+from workers.step_watchdog import StepHungError, StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._load_seq = 0
         self.load = self._snapshot_load()
+        self._watchdog = StepWatchdog(self.engine.config.step_timeout_s, self._on_hung)
         self._thread = threading.Thread(target=self._run, name="tpserve-engine", daemon=True)
         self._thread.start()
 
@@ -121,18 +123,26 @@ class AsyncLLMEngine:
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         self._stopping = True
+        self._watchdog.close()
         self._commands.put(("stop", (), None))
         self._thread.join(timeout_s)
-        self.engine.shutdown()
+        try:
+            self.engine.shutdown()
+        except Exception as exc:  # noqa: BLE001 - a failed group cannot stop its ranks cleanly
+            if self._error is None:
+                raise
+            logger.warning("engine stopped after its failure (%s): %s", self._error, exc)
 
     # ----- the engine thread -----
 
     def _run(self) -> None:
         try:
-            while not self._stopping:
+            while not self._stopping and self._error is None:
                 self._drain_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
-                    self._deliver(self.engine.step())
+                    with self._watchdog.step():
+                        outputs = self.engine.step()
+                    self._deliver(outputs)
                 # Refreshed when idle too (every drain timeout): a report that stops changing
                 # looks stale to the router, which would then starve an idle group.
                 self.load = self._snapshot_load()
@@ -140,6 +150,12 @@ class AsyncLLMEngine:
             logger.exception("engine step failed; failing %d requests", len(self._streams))
             self._error = exc
             self._fail_all(EngineDeadError(f"engine failed: {exc}"))
+
+    def _on_hung(self, error: StepHungError) -> None:
+        """From the watchdog's thread: the engine thread is stuck in a step; fail its requests
+        now (they migrate) and report the engine dead (the group gets replaced)."""
+        self._error = error
+        self._fail_all(EngineDeadError(f"engine failed: {error}"))
 
     def _drain_commands(self, block: bool) -> None:
         try:

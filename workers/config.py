@@ -34,6 +34,9 @@ class EngineConfig:
     kv_hotness_decay: float = 0.95  # EMA decay per request of the hotness policy
     kv_pin_threshold: float = 0.9  # hotness above which a block stays on the device
     kv_snapshot_interval_s: float = 300.0  # how often the disk tier's index is saved
+    # How long a collective of a TP group may wait (a hung rank fails the step after this; the
+    # serving engine's watchdog also fails a step running past it, or past 10x recent steps).
+    step_timeout_s: float = 30.0
     # Keep a StepRecord per step (benchmarks): about 0.7 GB an hour in a busy server, so off.
     record_steps: bool = False
 
@@ -56,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"--step-timeout-s must be positive, got {self.step_timeout_s}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("--attention-backend must be auto, torch or triton, "
                              f"got {self.attention_backend!r}")

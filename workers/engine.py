@@ -7,6 +7,7 @@ detokenizes. ``step`` returns what changed for each request; ``LLM`` wraps it fo
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -30,6 +31,7 @@ from workers.request import FinishReason, Request, RequestId
 from workers.sampler import SampledToken, sample
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from workers.keepalive import PlanKeepalive
 from workers.step_plan import StepPlan, broadcast_plan
 from workers.tier_setup import (RankTierConfig, build_kv_manager, claim_engine_dir,
                                 model_identity, save_token_index, tier_sizes)
@@ -110,6 +112,10 @@ class LLMEngine:
         self._generator = torch.Generator(self._device).manual_seed(config.seed)
         self.step_records: List[StepRecord] = []  # only with config.record_steps
         self._is_shut_down = False
+        # Ranks 1..N-1 of an idle group must hear from rank 0 within the step timeout.
+        self._keepalive = None if self._children is None else PlanKeepalive(
+            lambda: broadcast_plan(StepPlan(), self.rank.tp.cpu_group),
+            lambda: not self._has_outstanding_transfers(), config.step_timeout_s / 3)
 
     def _rank_configs(self) -> List[RankConfig]:
         cfg, model = self.config, self.model_config
@@ -125,7 +131,8 @@ class LLMEngine:
         dtype_name = str(dtype).replace("torch.", "")
         tiers = self._rank_tier_config(dtype, dtype_name)
         return [
-            RankConfig(str(self.model_dir), TPGroupConfig(rank, cfg.tp_size, init),
+            RankConfig(str(self.model_dir),
+                       TPGroupConfig(rank, cfg.tp_size, init, timeout_s=cfg.step_timeout_s),
                        f"cuda:{rank}" if use_cuda else "cpu", dtype_name,
                        num_blocks, cfg.block_size, self.max_model_len, threads, tiers,
                        attention_backend=attention, cuda_graphs=not cfg.enforce_eager,
@@ -252,6 +259,10 @@ class LLMEngine:
 
     def step(self) -> List[RequestOutput]:
         """Schedule, run and sample one step; outputs of every request that changed."""
+        with self._keepalive.lock if self._keepalive is not None else contextlib.nullcontext():
+            return self._step()
+
+    def _step(self) -> List[RequestOutput]:
         started = time.perf_counter()
         self._maybe_snapshot()
         scheduled = self.scheduler.schedule()
@@ -278,8 +289,17 @@ class LLMEngine:
                 or (tiers is not None and tiers.has_outstanding)):
             return None, None
         with self.rank.tp.counting_errors():
-            broadcast_plan(plan, self.rank.tp.cpu_group)
+            self._broadcast(plan)
         return execute_plan(self.rank, plan)
+
+    def _broadcast(self, plan: StepPlan) -> None:
+        broadcast_plan(plan, self.rank.tp.cpu_group)
+        if self._keepalive is not None:
+            self._keepalive.sent()
+
+    def _has_outstanding_transfers(self) -> bool:
+        tiers = self.scheduler.kv.tiers
+        return tiers is not None and tiers.has_outstanding
 
     def _maybe_snapshot(self, force: bool = False) -> None:
         """Every ``kv_snapshot_interval_s`` (and at shutdown) each rank saves its disk index."""
@@ -400,6 +420,8 @@ class LLMEngine:
         if self._is_shut_down:
             return
         self._is_shut_down = True
+        if self._keepalive is not None:
+            self._keepalive.close()  # from here on only this thread broadcasts
         try:
             self._drain_transfers()
             self._maybe_snapshot(force=True)

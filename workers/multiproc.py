@@ -66,6 +66,11 @@ class RankProcesses:
             self._procs.append(proc)
             self._conns.append(parent)
 
+    @property
+    def pids(self) -> List[int]:
+        """Process ids of ranks 1..N-1, in rank order."""
+        return [proc.pid for proc in self._procs]
+
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Block until every child has loaded; re-raise the first child's error."""
         deadline = time.monotonic() + timeout_s
