@@ -34,9 +34,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def serve_app(model_dir, port, **config):
+def serve_app(model_dir, port, engine_kwargs=None, **config):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    engine = EngineConfig(model=str(model_dir), tp_size=2, block_size=4, num_kv_blocks=128)
+    engine = EngineConfig(model=str(model_dir), tp_size=2, block_size=4, num_kv_blocks=128,
+                          **(engine_kwargs or {}))
     app = build_app(ServeConfig(engine=engine, api_key=API_KEY, served_model_name="tiny",
                                 **config), ray.cluster_resources())
     serve.run(app, name="tpserve", route_prefix="/")
@@ -51,12 +52,12 @@ def stop_serving():
 
 
 @contextlib.contextmanager
-def local_serving(model_dir):
+def local_serving(model_dir, **engine_kwargs):
     """The app on a fresh local Ray; yields an `openai` client; stops everything after."""
     ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1",
              include_dashboard=False)
     try:
-        yield serve_app(model_dir, free_port())
+        yield serve_app(model_dir, free_port(), engine_kwargs)
     finally:
         stop_serving()
 

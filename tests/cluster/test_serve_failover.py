@@ -5,6 +5,7 @@ to the uninterrupted one. The replica reports unhealthy and Serve replaces the w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -21,9 +22,12 @@ from test_serve_e2e import local_serving  # noqa: E402
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 
+STEP_TIMEOUT_S = 5.0  # a hung rank fails its group this fast (the default is 30 s)
+
+
 @pytest.fixture(scope="module")
 def client(tiny_llama):
-    with local_serving(tiny_llama) as openai_client:
+    with local_serving(tiny_llama, step_timeout_s=STEP_TIMEOUT_S) as openai_client:
         yield openai_client
 
 
@@ -58,6 +62,31 @@ def test_a_killed_rank_migrates_the_stream_which_completes_unchanged(client):
     # the group's failure (the "group replica restarting" alert).
     assert wait_for_metric(client, "tpserve:collective_errors_total", timeout_s=30) >= 1
     assert wait_for_metric(client, "tpserve:group_failures_total", timeout_s=30) >= 1
+
+
+def test_a_hung_rank_migrates_the_stream_which_completes_unchanged(client):
+    """SIGSTOP, not SIGKILL: the rank's process and sockets stay, so nothing fails by itself;
+    the step deadline (the watchdog, or the collective's timeout) must notice."""
+    prompt, max_tokens = [9, 8, 7, 6], 100
+    greedy = dict(temperature=0.0, extra_body={"ignore_eos": True})
+    reference = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                          **greedy)
+    pid = rank_pids()[1]
+    texts, received = [], 0
+    started = time.monotonic()
+    try:
+        for chunk in client.completions.create(model="tiny", prompt=prompt,
+                                               max_tokens=max_tokens, stream=True, **greedy):
+            received += 1
+            texts.append(chunk.choices[0].text)
+            if received == 2:
+                os.kill(pid, signal.SIGSTOP)  # rank 1 freezes mid-generation
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # Serve may have killed it already
+            os.kill(pid, signal.SIGKILL)  # whatever happened, never leave a stopped process
+    assert "".join(texts) == reference.choices[0].text
+    assert time.monotonic() - started < 110
+    assert pid not in rank_pids()
 
 
 def wait_for_metric(client, name: str, timeout_s: float) -> float:
