@@ -29,6 +29,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--served-model-name", default=None, help="model name in the API")
     parser.add_argument("--address", default=None,
                         help="join this Ray cluster instead of starting a local one")
+    parser.add_argument("--max-queued-requests", type=int, default=None,
+                        help="requests each ingress lets wait for a busy TP group; beyond "
+                             "them 429 with Retry-After (default: one more round of the "
+                             "groups' capacity)")
+    parser.add_argument("--max-request-body-mb", type=float, default=4.0,
+                        help="largest request body in MiB; larger ones get 413 (default 4)")
+    parser.add_argument("--request-timeout-s", type=float, default=600.0,
+                        help="a request still running after this is aborted with 504; a "
+                             "client may ask for less with X-Request-Timeout (default 600)")
     parser.set_defaults(func=run, seed=None)
 
 
@@ -41,7 +50,10 @@ def run(args: argparse.Namespace) -> int:
     min_groups, max_groups = parse_groups(args.groups)
     config = ServeConfig(engine=engine_config(args), min_groups=min_groups,
                          max_groups=max_groups, kv_target_occupancy=args.kv_target_occupancy,
-                         api_key=args.api_key, served_model_name=args.served_model_name)
+                         api_key=args.api_key, served_model_name=args.served_model_name,
+                         max_queued_requests=args.max_queued_requests,
+                         max_request_body_mb=args.max_request_body_mb,
+                         request_timeout_s=args.request_timeout_s)
     check_serve_config(config)  # before Ray starts: a bad configuration never deploys
     if args.address:
         ray.init(address=args.address)
