@@ -66,6 +66,7 @@ from cluster.output_length import OutputLengthEstimate, router_charge
 from cluster.request_limits import (
     DeadlineStream,
     IngressLimits,
+    check_declared_length,
     read_body,
     request_timeout_s,
 )
@@ -246,6 +247,7 @@ class OpenAIIngress:
         timer = RequestTimer()
         self._authorize(request)
         timeout_s = request_timeout_s(request.headers, self._limits.request_timeout_s)
+        check_declared_length(request.headers, self._limits.max_body_bytes)
         release = self._admission.acquire()
         try:
             response = await handler(request, timer, {"timeout_s": timeout_s,

@@ -56,11 +56,16 @@ def body_too_large(max_bytes: int, what: str) -> ProtocolError:
                          413, code="request_too_large")
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The whole body, or a 413 once it is known to pass ``max_bytes``."""
-    declared = request.headers.get("content-length")
+def check_declared_length(headers: Mapping[str, str], max_bytes: int) -> None:
+    """A 413 for a ``Content-Length`` past ``max_bytes``, before any of the body is read."""
+    declared = headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
         raise body_too_large(max_bytes, f"Content-Length {int(declared)}")
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The whole body, or a 413 once it is known to pass ``max_bytes``."""
+    check_declared_length(request.headers, max_bytes)
     chunks = []
     size = 0
     async for chunk in request.stream():
