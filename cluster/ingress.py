@@ -397,7 +397,9 @@ def build_ingress(groups: Application, model_dir: str, served_model_name: str, b
     limits = limits or IngressLimits()
     ingress = OpenAIIngress.options(
         max_ongoing_requests=limits.max_in_flight + INGRESS_EXTRA_ONGOING,
-        max_queued_requests=limits.max_in_flight,
+        # Serve counts a request as queued while it picks a replica for it, so a burst of
+        # arrivals fills this queue even while the replica has room: keep the same slack.
+        max_queued_requests=limits.max_in_flight + INGRESS_EXTRA_ONGOING,
         backpressure_config=BackpressureConfig(status_code=429,
                                                retry_after_s=limits.retry_after_s))
     return ingress.bind(groups, model_dir, served_model_name, block_size, max_model_len,
