@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from ray import serve
-from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+from ray.serve.config import (
+    AutoscalingConfig,
+    AutoscalingPolicy,
+    BackpressureConfig,
+    RequestRouterConfig,
+)
 
+from cluster.admission import group_max_ongoing_requests, ingress_max_in_flight
 from cluster.autoscaling import KVLoadPolicy
 from cluster.formation import FormationConfig
 from cluster.group_deployment import GroupResources, PlannedPlacement, TPGroupServer
 from cluster.ingress import build_ingress
 from cluster.kv_router import KVAwareRouter
+from cluster.request_limits import MIB, IngressLimits
 from workers.config import EngineConfig
 from workers.default_model import resolve_model_path
 from workers.engine_sizing import check_model, context_length, fit_context_to_pool
@@ -36,7 +43,6 @@ class ServeConfig:
     routing_stats_period_s: float = 0.5
     placement_strategy: str = "PACK"  # of each group's ranks: PACK, SPREAD, STRICT_PACK/SPREAD
     router: str = "kv"  # "kv": tpserve's KV-aware router; "pow2": Serve's default (baseline)
-    max_ongoing_requests: int = 256
     max_migrations: int = 3  # re-sends of a request whose group failed while serving it
     # "plan": the topology plan places each group (cluster.group_allocator); "serve": Serve does;
     # "auto": the plan on clusters with GPUs, Serve on CPU-only ones.
@@ -47,8 +53,13 @@ class ServeConfig:
     autoscale_look_back_s: float = 5.0
     upscale_delay_s: float = 2.0
     downscale_delay_s: float = 30.0
+    max_ongoing_requests: Optional[int] = None  # per group; None: from its KV capacity
+    max_queued_requests: Optional[int] = None  # per ingress; None: one more round of the groups
+    max_request_body_mb: float = 4.0
+    request_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
+        check_limits(self)
         if not 1 <= self.min_groups <= self.max_groups:
             raise ValueError(f"--groups must be N or MIN:MAX with 1 <= MIN <= MAX, got "
                              f"{self.min_groups}:{self.max_groups}")
@@ -61,6 +72,35 @@ class ServeConfig:
         if not 0.0 < self.kv_target_occupancy <= 1.0:
             raise ValueError(f"--kv-target-occupancy must be in (0, 1], got "
                              f"{self.kv_target_occupancy}")
+
+
+def check_limits(config: ServeConfig) -> None:
+    """The request limits (``cluster.admission``, ``cluster.request_limits``)."""
+    for name in ("max_ongoing_requests", "max_queued_requests"):
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer (requests), "
+                             f"got {value!r}")
+    if not 0 < config.max_request_body_mb < 1 << 20:
+        raise ValueError(f"--max-request-body-mb must be a positive number of MiB, got "
+                         f"{config.max_request_body_mb}")
+    if not 0 < config.request_timeout_s < float("inf"):
+        raise ValueError(f"--request-timeout-s must be a positive number of seconds, got "
+                         f"{config.request_timeout_s}")
+
+
+def request_limits(config: ServeConfig) -> Tuple[int, int, IngressLimits]:
+    """A group's ``max_ongoing_requests``, the ingress's ``max_queued_requests`` for the groups,
+    and the ingress's own limits, all derived here from the configuration."""
+    engine = config.engine
+    per_group = config.max_ongoing_requests or group_max_ongoing_requests(
+        engine.max_num_seqs, engine.num_kv_blocks)
+    queued = config.max_queued_requests or per_group * config.max_groups
+    limits = IngressLimits(
+        max_in_flight=ingress_max_in_flight(config.max_groups, per_group, queued),
+        max_body_bytes=int(config.max_request_body_mb * MIB),
+        request_timeout_s=config.request_timeout_s)
+    return per_group, queued, limits
 
 
 def check_serve_config(config: ServeConfig) -> None:
@@ -153,10 +193,14 @@ def build_app(config: ServeConfig, cluster: Dict[str, float]):
             policy=AutoscalingPolicy(
                 policy_function=KVLoadPolicy,
                 policy_kwargs={"target_occupancy": config.kv_target_occupancy}))}
+    per_group, queued, limits = request_limits(config)
     groups = serve.deployment(TPGroupServer).options(
         name="TPGroup",
         **group_placement_options(resources, engine.tp_size, config.placement_strategy, planned),
-        max_ongoing_requests=config.max_ongoing_requests,
+        max_ongoing_requests=per_group,
+        max_queued_requests=queued,
+        backpressure_config=BackpressureConfig(status_code=429,
+                                               retry_after_s=limits.retry_after_s),
         health_check_period_s=2.0,
         # Scale-down drains a group: Serve waits this long for its requests in flight.
         graceful_shutdown_timeout_s=120.0,
@@ -167,4 +211,5 @@ def build_app(config: ServeConfig, cluster: Dict[str, float]):
     return build_ingress(groups, model_dir=str(model_dir), served_model_name=name,
                          block_size=engine.block_size,
                          max_model_len=served_context_length(engine, load_model_config(model_dir)),
-                         api_key=config.api_key, max_migrations=config.max_migrations)
+                         api_key=config.api_key, max_migrations=config.max_migrations,
+                         limits=limits)

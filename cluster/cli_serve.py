@@ -44,6 +44,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placement", choices=("auto", "plan", "serve"), default="auto",
                         help="who places each TP group: the topology plan (probes every node) "
                              "or Serve; auto: the plan on GPU clusters (default)")
+    parser.add_argument("--max-queued-requests", type=int, default=None,
+                        help="requests each ingress lets wait for a busy TP group; beyond "
+                             "them 429 with Retry-After (default: one more round of the "
+                             "groups' capacity)")
+    parser.add_argument("--max-request-body-mb", type=float, default=4.0,
+                        help="largest request body in MiB; larger ones get 413 (default 4)")
+    parser.add_argument("--request-timeout-s", type=float, default=600.0,
+                        help="a request still running after this is aborted with 504; a "
+                             "client may ask for less with X-Request-Timeout (default 600)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,16 +21,18 @@ import time
 import uuid
 from importlib.metadata import PackageNotFoundError, version as package_version
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
+from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Type
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
+from cluster.admission import IngressAdmission
 from cluster.group_stream import sampling_params
 from cluster.ingress_run import GroupStream, MigrationPolicy, RequestRun
 from cluster.metrics import (
@@ -59,7 +61,15 @@ from cluster.openai_requests import (
     TokenizeCompletionRequest,
     ignored_fields,
 )
+from cluster.openapi_schema import openapi_document
 from cluster.output_length import OutputLengthEstimate, router_charge
+from cluster.request_limits import (
+    DeadlineStream,
+    IngressLimits,
+    check_declared_length,
+    read_body,
+    request_timeout_s,
+)
 from kv.prefix_hash import extend_block_hashes
 from workers.model_config import load_model_config
 from workers.tokenizer import load_tokenizer
@@ -69,6 +79,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 METRICS_STORE_TIMEOUT_S = 2.0
 HEALTH_MAX_REPORT_AGE_S = 5.0  # groups report every second; a group silent this long is gone
+INGRESS_EXTRA_ONGOING = 64  # beyond the generation slots: /health, /metrics, /tokenize, ...
 
 
 def _json_object(raw: bytes) -> Dict[str, Any]:
@@ -86,12 +97,13 @@ def tpserve_version() -> str:
     except PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown"
 
-app = FastAPI(title="tpserve", docs_url=None, redoc_url=None, openapi_url=None)
+app = FastAPI(title="tpserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+app.openapi = lambda: openapi_document(app)  # the request bodies are parsed by hand
 
 
 @app.exception_handler(ProtocolError)
 async def _protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
 
 @app.exception_handler(HTTPException)
@@ -113,7 +125,7 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 class OpenAIIngress:
     def __init__(self, group_handle: DeploymentHandle, model_dir: str, served_model_name: str,
                  block_size: int, max_model_len: int, api_key: Optional[str] = None,
-                 max_migrations: int = 3) -> None:
+                 limits: Optional[IngressLimits] = None, max_migrations: int = 3) -> None:
         if block_size < 1 or max_model_len < 2:
             raise ValueError(f"block_size must be >= 1 and max_model_len >= 2, got "
                              f"{block_size} and {max_model_len}")
@@ -130,27 +142,37 @@ class OpenAIIngress:
         self._migration = MigrationPolicy(max_migrations=max_migrations)
         self._store = get_metrics_store()
         self._created = int(time.time())
+        self._limits = limits or IngressLimits()
+        self._admission = IngressAdmission(self._limits.max_in_flight,
+                                           self._limits.retry_after_s)
+        # One ingress per replica process: its /openapi.json names the model it serves.
+        app.openapi_schema = None
+        app.openapi = lambda: openapi_document(app, [served_model_name])
 
     # ----- endpoints -----
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        timer = RequestTimer()
-        self._authorize(request)
-        body = self._parse(await request.body(), CompletionRequest)
+        return await self._admitted(request, self._completion)
+
+    async def _completion(self, request: Request, timer: RequestTimer,
+                          limits: Dict[str, Any]) -> Response:
+        body = self._parse(await self._body(request), CompletionRequest)
         prompt_ids = self._prompt_ids(body.prompt, body.add_special_tokens)
         max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids), self.max_model_len,
                                         default=DEFAULT_COMPLETION_MAX_TOKENS)
         fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()),
                                self.served_model_name, body.include_usage)
         echo = self._detokenize(prompt_ids) if body.echo else ""
-        return await self._serve(fmt, body, max_tokens, prompt_ids, timer, echo)
+        return await self._serve(fmt, body, max_tokens, prompt_ids, timer, echo, **limits)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        timer = RequestTimer()
-        self._authorize(request)
-        body = self._parse(await request.body(), ChatCompletionRequest)
+        return await self._admitted(request, self._chat_completion)
+
+    async def _chat_completion(self, request: Request, timer: RequestTimer,
+                               limits: Dict[str, Any]) -> Response:
+        body = self._parse(await self._body(request), ChatCompletionRequest)
         prompt_ids = self._chat_prompt_ids(body.messages, body.template_options(),
                                            body.add_special_tokens)
         max_tokens = resolve_max_tokens(body.requested_max_tokens, len(prompt_ids),
@@ -158,13 +180,13 @@ class OpenAIIngress:
                                         prompt_param="messages")
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
                          self.served_model_name, body.include_usage)
-        return await self._serve(fmt, body, max_tokens, prompt_ids, timer)
+        return await self._serve(fmt, body, max_tokens, prompt_ids, timer, **limits)
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Dict[str, Any]:
         """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` with the template applied."""
         self._authorize(request)
-        raw = await request.body()
+        raw = await self._body(request)
         if "messages" in _json_object(raw):
             chat = self._parse(raw, TokenizeChatRequest)
             ids = self._chat_prompt_ids(chat.messages, chat.template_options(),
@@ -181,7 +203,7 @@ class OpenAIIngress:
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> Dict[str, Any]:
         self._authorize(request)
-        body = self._parse(await request.body(), DetokenizeRequest)
+        body = self._parse(await self._body(request), DetokenizeRequest)
         self._check_token_ids(body.tokens, "tokens")
         return {"prompt": self._detokenize(body.tokens)}
 
@@ -222,6 +244,30 @@ class OpenAIIngress:
             failures = None
         return Response(self.metrics.render(groups, router_decision_counts(), failures),
                         media_type=CONTENT_TYPE_LATEST)
+
+    # ----- limits -----
+
+    async def _admitted(self, request: Request, handler: Callable[..., Awaitable[Response]]
+                        ) -> Response:
+        """Runs a generation endpoint's ``handler`` in one of this replica's slots (429 when
+        none is free), with the request's time limit. A stream holds its slot until it ends."""
+        timer = RequestTimer()
+        self._authorize(request)
+        timeout_s = request_timeout_s(request.headers, self._limits.request_timeout_s)
+        check_declared_length(request.headers, self._limits.max_body_bytes)
+        release = self._admission.acquire()
+        try:
+            response = await handler(request, timer, {"timeout_s": timeout_s,
+                                                      "release": release})
+        except BaseException:
+            release()
+            raise
+        if not isinstance(response, StreamingResponse):
+            release()
+        return response
+
+    async def _body(self, request: Request) -> bytes:
+        return await read_body(request, self._limits.max_body_bytes)
 
     # ----- checks -----
 
@@ -298,7 +344,8 @@ class OpenAIIngress:
     # ----- running a request -----
 
     async def _serve(self, fmt: CompletionFormat, body: Any, max_tokens: int,
-                     prompt_ids: List[int], timer: RequestTimer, echo: str = "") -> Response:
+                     prompt_ids: List[int], timer: RequestTimer, echo: str = "", *,
+                     timeout_s: float, release: Callable[[], None]) -> Response:
         sampling = body.sampling(max_tokens)
         self._check_sampling(sampling)
         self._check_token_ids(list(sampling["logit_bias"]), "logit_bias")
@@ -313,10 +360,15 @@ class OpenAIIngress:
             return self._group.generate.remote(sent, num_tokens=charge,
                                                block_hashes=block_hashes)
 
-        stream = GroupStream(start([]), n, restart=start, policy=self._migration,
-                             on_migrate=self.metrics.record_migration)
-        run = RequestRun(fmt, stream, timer, len(prompt_ids), n,
-                         sampling["logprobs"] is not None, self._token_text, self._record,
+        def on_end(run: RequestRun, outcome: Optional[str]) -> None:
+            release()
+            self._record(run, outcome)
+
+        migrating = GroupStream(start([]), n, restart=start, policy=self._migration,
+                                on_migrate=self.metrics.record_migration)
+        stream = DeadlineStream(migrating, timeout_s)  # the deadline covers the migrations too
+        run = RequestRun(fmt, stream, timer, len(prompt_ids), n,  # type: ignore[arg-type]
+                         sampling["logprobs"] is not None, self._token_text, on_end,
                          echo=echo, continuous_usage=body.continuous_usage)
         if body.stream:
             first = await run.first_chunk()
@@ -351,7 +403,18 @@ class OpenAIIngress:
 
 def build_ingress(groups: Application, model_dir: str, served_model_name: str, block_size: int,
                   max_model_len: int, api_key: Optional[str] = None,
+                  limits: Optional[IngressLimits] = None,
                   max_migrations: int = 3) -> Application:
-    """The application: this ingress bound in front of the (bound) group deployment."""
-    return OpenAIIngress.bind(groups, model_dir, served_model_name, block_size, max_model_len,
-                              api_key, max_migrations)
+    """The application: this ingress bound in front of the (bound) group deployment. The
+    replica takes ``limits.max_in_flight`` generation requests plus room for the cheap
+    endpoints; Serve's proxy queues a bounded number beyond that (``cluster.admission``)."""
+    limits = limits or IngressLimits()
+    ingress = OpenAIIngress.options(
+        max_ongoing_requests=limits.max_in_flight + INGRESS_EXTRA_ONGOING,
+        # Serve counts a request as queued while it picks a replica for it, so a burst of
+        # arrivals fills this queue even while the replica has room: keep the same slack.
+        max_queued_requests=limits.max_in_flight + INGRESS_EXTRA_ONGOING,
+        backpressure_config=BackpressureConfig(status_code=429,
+                                               retry_after_s=limits.retry_after_s))
+    return ingress.bind(groups, model_dir, served_model_name, block_size, max_model_len,
+                        api_key, limits, max_migrations)

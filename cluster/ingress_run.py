@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentResponseGenerator
 
+from cluster.admission import DEFAULT_RETRY_AFTER_S, overloaded
 from cluster.metrics import RequestTimer
 from cluster.openai_protocol import (
     SSE_DONE,
@@ -40,12 +41,17 @@ def group_error(exc: BaseException) -> ProtocolError:
     cause = getattr(exc, "cause", None) or exc
     if isinstance(exc, ValueError):
         return ProtocolError(str(cause))
-    if isinstance(exc, BackPressureError):
-        return ProtocolError("the server is overloaded, retry later", 503, code="overloaded")
+    if isinstance(exc, BackPressureError):  # the wait for a group slot is full
+        return overloaded("every TP group is busy and the queue for them is full; retry after "
+                          f"{exc.retry_after_s or DEFAULT_RETRY_AFTER_S:g} s",
+                          exc.retry_after_s or DEFAULT_RETRY_AFTER_S)
+    if isinstance(exc, DeploymentUnavailableError):
+        return ProtocolError("no TP group can serve requests", 503, code="no_healthy_group",
+                             retry_after_s=DEFAULT_RETRY_AFTER_S)
     if isinstance(exc, (EngineDeadError, RayActorError)):
         logger.warning("TP group failed while serving a request: %s", cause)
         return ProtocolError("the TP group serving this request failed; retry", 503,
-                             code="group_failed")
+                             code="group_failed", retry_after_s=DEFAULT_RETRY_AFTER_S)
     logger.error("group call failed", exc_info=exc)
     return ProtocolError("internal server error", 500)
 

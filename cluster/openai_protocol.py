@@ -9,6 +9,7 @@ FastAPI's 422.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import (
     Any,
@@ -34,16 +35,24 @@ class ProtocolError(Exception):
     """A request the server refuses; carries the HTTP status and OpenAI's error fields."""
 
     def __init__(self, message: str, status: int = 400, param: Optional[str] = None,
-                 code: Optional[str] = None, type: Optional[str] = None) -> None:
+                 code: Optional[str] = None, type: Optional[str] = None,
+                 retry_after_s: Optional[float] = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.retry_after_s = retry_after_s  # 429 / 503: when the client may try again
 
     def body(self) -> Dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+    def headers(self) -> Dict[str, str]:
+        """``Retry-After`` in whole seconds (RFC 9110), rounded up, when one is set."""
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(0, math.ceil(self.retry_after_s)))}
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,

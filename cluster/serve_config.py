@@ -86,11 +86,7 @@ def serve_config_from_args(args: Mapping[str, Any],
             setattr(values, key, _checked_value(key, options[key], value))
     api_key = _api_key(args.get(API_KEY_ENV), environ)
     try:
-        min_groups, max_groups = parse_groups(values.groups)
-        return ServeConfig(engine=engine_config(values), min_groups=min_groups,
-                           max_groups=max_groups, kv_target_occupancy=values.kv_target_occupancy,
-                           api_key=api_key, served_model_name=values.served_model_name,
-                           max_migrations=values.max_migrations, placement=values.placement)
+        return serve_config_from(values, engine_config(values), api_key)
     except ValueError as exc:  # the engine's checks name the option (--tp): name the key (args.tp)
         raise ValueError(_OPTION.sub(lambda m: "args." + m[1].replace("-", "_"), str(exc))) \
             from None
@@ -147,13 +143,23 @@ def _api_key(env_name: Any, environ: Mapping[str, str]) -> Optional[str]:
 # ----- tpserve serve -----
 
 
+def serve_config_from(values: argparse.Namespace, engine: EngineConfig,
+                      api_key: Optional[str]) -> ServeConfig:
+    """The ``ServeConfig`` of `tpserve serve`'s options (``add_serve_arguments``), whether
+    they came from the command line or from a config file's args."""
+    min_groups, max_groups = parse_groups(values.groups)
+    return ServeConfig(engine=engine, min_groups=min_groups, max_groups=max_groups,
+                       kv_target_occupancy=values.kv_target_occupancy, api_key=api_key,
+                       served_model_name=values.served_model_name,
+                       max_migrations=values.max_migrations, placement=values.placement,
+                       max_queued_requests=values.max_queued_requests,
+                       max_request_body_mb=values.max_request_body_mb,
+                       request_timeout_s=values.request_timeout_s)
+
+
 def plan_from_cli(args: argparse.Namespace, engine: EngineConfig) -> ServePlan:
-    min_groups, max_groups = parse_groups(args.groups)
-    config = ServeConfig(engine=engine, min_groups=min_groups, max_groups=max_groups,
-                         kv_target_occupancy=args.kv_target_occupancy, api_key=args.api_key,
-                         served_model_name=args.served_model_name,
-                         max_migrations=args.max_migrations, placement=args.placement)
-    return ServePlan(config, host=args.host, port=args.port)
+    return ServePlan(serve_config_from(args, engine, args.api_key), host=args.host,
+                     port=args.port)
 
 
 def plan_from_file(path: Path, changed_options: Sequence[str] = ()) -> ServePlan:
