@@ -139,10 +139,12 @@ class OpenAIIngress:
         self.vocab_size = load_model_config(Path(model_dir)).vocab_size
         self.metrics = IngressMetrics(served_model_name, max_model_len, export_to_ray=True)
         self._output_lengths = OutputLengthEstimate()  # what the router charges for outputs
-        self._migration = MigrationPolicy(max_migrations=max_migrations)
         self._store = get_metrics_store()
         self._created = int(time.time())
         self._limits = limits or IngressLimits()
+        # A request whose group died waits for a healthy one as long as its own deadline.
+        self._migration = MigrationPolicy(max_migrations=max_migrations,
+                                          max_wait_s=self._limits.request_timeout_s)
         self._admission = IngressAdmission(self._limits.max_in_flight,
                                            self._limits.retry_after_s)
         # One ingress per replica process: its /openapi.json names the model it serves.
@@ -364,7 +366,8 @@ class OpenAIIngress:
             release()
             self._record(run, outcome)
 
-        migrating = GroupStream(start([]), n, restart=start, policy=self._migration,
+        migrating = GroupStream(start([]), n, restart=start if self._migration.max_migrations
+                                else None, policy=self._migration,
                                 on_migrate=self.metrics.record_migration)
         stream = DeadlineStream(migrating, timeout_s)  # the deadline covers the migrations too
         run = RequestRun(fmt, stream, timer, len(prompt_ids), n,  # type: ignore[arg-type]

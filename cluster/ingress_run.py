@@ -68,8 +68,8 @@ def failure_reason(exc: BaseException) -> Optional[str]:
 
 @dataclass(frozen=True)
 class MigrationPolicy:
-    """How a request outlives its group. ``max_migrations``: re-sends after a group failed
-    while it held the request; an attempt that fails before its first chunk (the group was
+    """How a request outlives its group (``max_migrations`` 0: it does not, the ingress sends
+    it once). ``max_migrations``: re-sends after a group failed while it held the request; an attempt that fails before its first chunk (the group was
     already dead) is not one of them and is retried after a backoff that doubles from
     ``first_backoff_s`` up to ``max_backoff_s``, for at most ``max_wait_s`` in all (the router
     sends nothing to a group whose engine it knows dead, and waits for a replacement)."""

@@ -119,8 +119,10 @@ def server(tiny_llama):
              _system_config={"metrics_report_interval_ms": 1000})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # No migration: the stand-in group fails on demand, and the error it maps to is tested
+        # here (migration is tested against real groups in test_serve_failover).
         app = build_ingress(TinyGroup.bind(str(tiny_llama)), str(tiny_llama), MODEL,
-                            BLOCK_SIZE, 256, API_KEY)
+                            BLOCK_SIZE, 256, API_KEY, max_migrations=0)
         serve.run(app, name=APP, route_prefix="/")
         group = serve.get_deployment_handle("TinyGroup", app_name=APP)
         yield {"url": f"http://127.0.0.1:{port}", "port": port, "group": group,

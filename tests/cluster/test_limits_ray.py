@@ -91,7 +91,7 @@ def server(tiny_llama):
             max_ongoing_requests=1, max_queued_requests=1,
             backpressure_config=BackpressureConfig(status_code=429, retry_after_s=2.0))
         serve.run(build_ingress(group.bind(str(tiny_llama)), str(tiny_llama), MODEL, 4, 256,
-                                limits=LIMITS), name=APP, route_prefix="/")
+                                limits=LIMITS, max_migrations=0), name=APP, route_prefix="/")
         yield {"url": f"http://127.0.0.1:{port}", "port": port,
                "group": serve.get_deployment_handle("OneSlotGroup", app_name=APP)}
     finally:

@@ -36,3 +36,31 @@ def test_group_spanning_two_nodes_equals_transformers(tiny_llama):
         finally:
             serve.shutdown()
             kill_metrics_store()
+
+
+def test_removing_the_node_of_rank_1_migrates_the_stream(tiny_llama):
+    """Three one-CPU nodes beside a head that runs no rank: the group holds two of them; the
+    node of its rank 1 goes away mid-stream, and the stream continues on the group Serve
+    starts on the two that remain, equal to the uninterrupted output."""
+    prompt, max_tokens = [5, 6, 7, 8], 80
+    greedy = dict(temperature=0.0, extra_body={"ignore_eos": True})
+    with loopback_cluster([dict(num_cpus=0)] + [dict(num_cpus=1)] * 3) as cluster:
+        try:
+            client = serve_app(tiny_llama, free_port(), placement_strategy="STRICT_SPREAD")
+            reference = client.completions.create(model="tiny", prompt=prompt,
+                                                  max_tokens=max_tokens, **greedy)
+            handle = serve.get_deployment_handle("TPGroup", app_name="tpserve")
+            rank_1_node = handle.rank_info.remote().result()[1]["node"]
+            node = next(n for n in cluster.worker_nodes if n.node_id == rank_1_node)
+            texts = []
+            for received, chunk in enumerate(client.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True, **greedy)):
+                texts.append(chunk.choices[0].text)
+                if received == 1:
+                    cluster.remove_node(node)
+            assert "".join(texts) == reference.choices[0].text
+            nodes = {rank["node"] for rank in handle.rank_info.remote().result()}
+            assert rank_1_node not in nodes and len(nodes) == 2
+        finally:
+            serve.shutdown()
+            kill_metrics_store()
