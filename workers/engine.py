@@ -32,6 +32,7 @@ from workers.sampler import SampledToken, sample
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from workers.keepalive import PlanKeepalive
+from workers.request_intake import check_resume, check_token_ids, choice_generator, tokenize
 from workers.step_plan import StepPlan, broadcast_plan
 from workers.tier_setup import (RankTierConfig, build_kv_manager, claim_engine_dir,
                                 model_identity, save_token_index, tier_sizes)
@@ -166,8 +167,9 @@ class LLMEngine:
         continue where that engine stopped. A greedy request continues exactly; a seeded one
         draws from a seed derived from its seed and the number of resumed tokens (reproducible
         for the same cut, not the draws the uninterrupted run would have made)."""
-        token_ids = self._tokenize(prompt)
-        resume = self._check_resume(list(resume_output_ids), params, len(token_ids))
+        token_ids = tokenize(prompt, self.tokenizer, self.model_config.vocab_size, self.model_dir)
+        vocab = self.model_config.vocab_size
+        resume = check_resume(list(resume_output_ids), params, vocab)
         if len(token_ids) + len(resume) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids) + len(resume)} tokens; the model's "
                              f"context is {self.max_model_len} tokens, prompt plus at least one "
@@ -175,12 +177,13 @@ class LLMEngine:
         rid = RequestId(request_id or uuid.uuid4().hex)
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        self._check_token_ids(params)
+        check_token_ids(params, vocab)
         choices: List[Request] = []
         for index in range(params.n):
             child_id = rid if params.n == 1 else RequestId(f"{rid}#{index}")
             request = Request(child_id, next(self._seq_ids), token_ids, params,
-                              self._choice_generator(params, index, len(resume)),
+                              choice_generator(params, index, len(resume), self._device,
+                                               self._generator),
                               self.model_config.eos_token_ids, parent_id=rid, index=index,
                               prefill_leader=choices[0] if choices else None)
             request.resume(resume)
@@ -193,54 +196,6 @@ class LLMEngine:
             self.scheduler.add(request)
         self._requests[rid] = choices
         return rid
-
-    def _check_resume(self, resume: List[int], params: SamplingParams,
-                      num_prompt_tokens: int) -> List[int]:
-        if not resume:
-            return resume
-        if params.n != 1:
-            raise ValueError(f"resume_output_ids (a migrated request) needs n=1, got n={params.n}")
-        if len(resume) >= params.max_tokens:
-            raise ValueError(f"resume_output_ids holds {len(resume)} tokens: nothing is left "
-                             f"to generate within max_tokens={params.max_tokens}")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in resume if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"resume_output_ids must be integers in [0, {vocab}); got {bad[:5]}")
-        return resume
-
-    def _choice_generator(self, params: SamplingParams, index: int,
-                          num_resumed: int = 0) -> torch.Generator:
-        """Choice ``index`` of a seeded request draws from ``seed + index`` (moved by the
-        number of resumed tokens), on the device of the logits (the sampler draws there);
-        unseeded ones share the engine's generator."""
-        if params.seed is None:
-            return self._generator
-        seed = params.seed + index + num_resumed * 0x9E3779B97F4A7C15
-        return torch.Generator(self._device).manual_seed(seed % (1 << 64))
-
-    def _check_token_ids(self, params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        for name in ("logit_bias", "stop_token_ids"):
-            bad = [t for t in getattr(params, name) if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{name}: token ids must be in [0, {vocab}), got {bad[:5]}")
-
-    def _tokenize(self, prompt: Union[str, Sequence[int]]) -> List[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.model_dir} has no tokenizer files: pass token ids")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); "
-                                 f"got {bad[:5]}")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        return token_ids
 
     def abort(self, request_id: str) -> None:
         """Finish every unfinished choice of ``request_id`` (unknown ids are ignored)."""
