@@ -12,7 +12,9 @@ each prompt's greedy reference from the idle server, then drives steady streamin
 2. SIGSTOPs the last rank of a group for 3 step timeouts (the hung-rank watchdog must fail the
    group; its requests migrate);
 3. floods the endpoint for ``--flood-s`` seconds with 10x the request rate the load achieved,
-   short non-streaming requests sent open-loop (beyond the queues: 429 or 503).
+   short non-streaming requests sent open-loop; the queues are sized for this host
+   (``--max-ongoing`` per group, ``--max-queued`` in the ingress), so the flood goes past them:
+   429 (or 503) with ``Retry-After``, not a queue that grows.
 
 Every streamed output is compared with its prompt's reference. Prints the counts and, last, one
 JSON line: ``requests``, ``completed``, ``migrated`` (from ``/metrics``), ``rejected_429_503``,
@@ -78,8 +80,11 @@ def start_app(args: argparse.Namespace, port: int) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine = EngineConfig(model=args.model, tp_size=args.tp, block_size=16,
                           num_kv_blocks=args.kv_blocks, step_timeout_s=args.step_timeout_s)
+    # Queues sized for a small CPU host, so that the flood goes past them (429) rather than
+    # waiting minutes in them; the defaults follow the KV pool (hundreds of requests a group).
     config = ServeConfig(engine=engine, min_groups=args.groups, max_groups=args.groups,
-                         served_model_name="chaos")
+                         served_model_name="chaos", max_ongoing_requests=args.max_ongoing,
+                         max_queued_requests=args.max_queued)
     serve.run(build_app(config, ray.cluster_resources()), name=APP, route_prefix="/")
 
 
@@ -296,6 +301,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flood-s", type=float, default=20.0)
     p.add_argument("--drain-s", type=float, default=300.0, help="wait for the last requests")
     p.add_argument("--request-timeout-s", type=float, default=600.0)
+    p.add_argument("--max-ongoing", type=int, default=8, help="requests a group holds")
+    p.add_argument("--max-queued", type=int, default=8, help="requests the ingress queues")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
