@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from cluster.cli_generate import add_engine_arguments, engine_config
@@ -21,6 +22,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_serve_arguments(parser)
     parser.add_argument("--address", default=None,
                         help="join this Ray cluster instead of starting a local one")
+    parser.add_argument("--grpc-port", type=int, default=9000,
+                        help="gRPC API port, on every interface (default 9000; 0: none); with "
+                             "--config, the file's grpc_options")
     parser.add_argument("--config", type=Path, default=None,
                         help="a Serve config file (deploy/ray/serve.yaml): its application's args "
                              "and http_options replace the other options (only --address mixes)")
@@ -60,12 +64,14 @@ def run(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.app import build_app, check_serve_config
+    from cluster.grpc_service import grpc_options
     from cluster.serve_config import plan_from_cli, plan_from_file
 
     if args.config is not None:
         plan = plan_from_file(args.config, changed_options(args))
     else:
-        plan = plan_from_cli(args, engine_config(args))
+        plan = replace(plan_from_cli(args, engine_config(args)),
+                       grpc_options=grpc_options(args.grpc_port))
     check_serve_config(plan.config)  # before Ray starts: a bad configuration never deploys
     if args.address:
         ray.init(address=args.address)
@@ -81,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"tpserve serve: error: the application failed to deploy: {exc}",
                   file=sys.stderr)
             return 1
-        print(f"tpserve: serving on {plan.base_url} (Ctrl-C stops)", flush=True)
+        grpc = plan.grpc_options or {}
+        also = f" and gRPC on port {grpc['port']}" if grpc.get("grpc_servicer_functions") else ""
+        print(f"tpserve: serving on {plan.base_url}{also} (Ctrl-C stops)", flush=True)
         return _serve_until_stopped(plan.app_name)
     finally:
         from cluster.group_allocator import kill_group_allocator

@@ -9,6 +9,9 @@ ending in ``data: [DONE]``. A client that goes away cancels its handle call, whi
 request in the engine. Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
 ``/tokenize``, ``/detokenize``, ``/version`` (vLLM's shapes), ``/health`` (503 while no group
 serves), ``/metrics``. Every error is OpenAI's error JSON; unexpected ones say nothing internal.
+The same deployment answers the gRPC API (``tpserve.v1.TPServe``) for Serve's gRPC proxy: its
+methods named after the RPCs hand over to ``cluster.grpc_service``, which takes the same path
+(``authorize``, ``check_body``, ``admit``, ``completion_run`` / ``chat_run``).
 """
 
 # No ``from __future__ import annotations`` here: Serve re-creates the route functions for the
@@ -21,7 +24,8 @@ import time
 import uuid
 from importlib.metadata import PackageNotFoundError, version as package_version
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Type
+from typing import (Any, AsyncIterator, Awaitable, Callable, Dict, List, Mapping, Optional,
+                    Sequence, Type)
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,6 +37,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from cluster.admission import IngressAdmission
+from cluster.grpc_service import GrpcService
 from cluster.group_stream import sampling_params
 from cluster.ingress_run import GroupStream, MigrationPolicy, RequestRun
 from cluster.metrics import (
@@ -141,6 +146,7 @@ class OpenAIIngress:
         self._output_lengths = OutputLengthEstimate()  # what the router charges for outputs
         self._store = get_metrics_store()
         self._created = int(time.time())
+        self._grpc = GrpcService(self)
         self._limits = limits or IngressLimits()
         # A request whose group died waits for a healthy one as long as its own deadline.
         self._migration = MigrationPolicy(max_migrations=max_migrations,
@@ -160,13 +166,7 @@ class OpenAIIngress:
     async def _completion(self, request: Request, timer: RequestTimer,
                           limits: Dict[str, Any]) -> Response:
         body = self._parse(await self._body(request), CompletionRequest)
-        prompt_ids = self._prompt_ids(body.prompt, body.add_special_tokens)
-        max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids), self.max_model_len,
-                                        default=DEFAULT_COMPLETION_MAX_TOKENS)
-        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()),
-                               self.served_model_name, body.include_usage)
-        echo = self._detokenize(prompt_ids) if body.echo else ""
-        return await self._serve(fmt, body, max_tokens, prompt_ids, timer, echo, **limits)
+        return await self._respond(self.completion_run(body, timer, **limits), body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -175,14 +175,7 @@ class OpenAIIngress:
     async def _chat_completion(self, request: Request, timer: RequestTimer,
                                limits: Dict[str, Any]) -> Response:
         body = self._parse(await self._body(request), ChatCompletionRequest)
-        prompt_ids = self._chat_prompt_ids(body.messages, body.template_options(),
-                                           body.add_special_tokens)
-        max_tokens = resolve_max_tokens(body.requested_max_tokens, len(prompt_ids),
-                                        self.max_model_len, param=body.max_tokens_param,
-                                        prompt_param="messages")
-        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
-                         self.served_model_name, body.include_usage)
-        return await self._serve(fmt, body, max_tokens, prompt_ids, timer, **limits)
+        return await self._respond(self.chat_run(body, timer, **limits), body.stream)
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Dict[str, Any]:
@@ -247,6 +240,86 @@ class OpenAIIngress:
         return Response(self.metrics.render(groups, router_decision_counts(), failures),
                         media_type=CONTENT_TYPE_LATEST)
 
+    # ----- gRPC (tpserve.v1.TPServe): Serve's gRPC proxy calls the method named after the RPC
+    # (so these names are CamelCase) and passes the call's context as ``grpc_context``
+
+    async def Complete(self, request: Any, grpc_context: Any) -> Any:
+        return await self._grpc.complete(request, grpc_context)
+
+    async def CompleteStream(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
+        async for chunk in self._grpc.complete_stream(request, grpc_context):
+            yield chunk
+
+    async def Chat(self, request: Any, grpc_context: Any) -> Any:
+        return await self._grpc.chat(request, grpc_context)
+
+    async def ChatStream(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
+        async for chunk in self._grpc.chat_stream(request, grpc_context):
+            yield chunk
+
+    async def ListModels(self, request: Any, grpc_context: Any) -> Any:
+        return await self._grpc.list_models(request, grpc_context)
+
+    # ----- the request path both protocols share -----
+
+    def completion_run(self, body: CompletionRequest, timer: RequestTimer, *, timeout_s: float,
+                       release: Callable[[], None]) -> RequestRun:
+        """Tokenize and check a completion request, and send it to a TP group; ``release``
+        (the admission slot's) is called when the run ends."""
+        prompt_ids = self._prompt_ids(body.prompt, body.add_special_tokens)
+        max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids), self.max_model_len,
+                                        default=DEFAULT_COMPLETION_MAX_TOKENS)
+        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()),
+                               self.served_model_name, body.include_usage)
+        echo = self._detokenize(prompt_ids) if body.echo else ""
+        return self._start(fmt, body, max_tokens, prompt_ids, timer, echo,
+                           timeout_s=timeout_s, release=release)
+
+    def chat_run(self, body: ChatCompletionRequest, timer: RequestTimer, *, timeout_s: float,
+                 release: Callable[[], None]) -> RequestRun:
+        """Apply the chat template, check the request, and send it to a TP group."""
+        prompt_ids = self._chat_prompt_ids(body.messages, body.template_options(),
+                                           body.add_special_tokens)
+        max_tokens = resolve_max_tokens(body.requested_max_tokens, len(prompt_ids),
+                                        self.max_model_len, param=body.max_tokens_param,
+                                        prompt_param="messages")
+        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
+                         self.served_model_name, body.include_usage)
+        return self._start(fmt, body, max_tokens, prompt_ids, timer, timeout_s=timeout_s,
+                           release=release)
+
+    def authorize(self, authorization: Optional[str]) -> None:
+        """Checks an ``Authorization`` header's (or gRPC metadata's) value against the key."""
+        if self._api_key is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise ProtocolError("missing API key: send 'Authorization: Bearer <key>'", 401,
+                                code="invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
+            raise ProtocolError("incorrect API key provided", 401, code="invalid_api_key")
+
+    def check_body(self, body: R) -> R:
+        """Check a request's model (when it names one); log the fields it ignores."""
+        name = getattr(body, "model", None)
+        if name is not None and name not in (self.served_model_name, self.model_dir):
+            raise ProtocolError(f"the model '{name}' does not exist; this server serves "
+                                f"'{self.served_model_name}'", 404, param="model",
+                                code="model_not_found")
+        ignored = ignored_fields(body)
+        if ignored:
+            logger.warning("request fields ignored (not OpenAI or vLLM parameters): %s",
+                           ignored)
+        return body
+
+    def admit(self) -> Callable[[], None]:
+        """One of this replica's generation slots (429 when none is free): its release."""
+        return self._admission.acquire()
+
+    @property
+    def request_timeout_s(self) -> float:
+        return self._limits.request_timeout_s
+
     # ----- limits -----
 
     async def _admitted(self, request: Request, handler: Callable[..., Awaitable[Response]]
@@ -257,7 +330,7 @@ class OpenAIIngress:
         self._authorize(request)
         timeout_s = request_timeout_s(request.headers, self._limits.request_timeout_s)
         check_declared_length(request.headers, self._limits.max_body_bytes)
-        release = self._admission.acquire()
+        release = self.admit()
         try:
             response = await handler(request, timer, {"timeout_s": timeout_s,
                                                       "release": release})
@@ -274,28 +347,10 @@ class OpenAIIngress:
     # ----- checks -----
 
     def _authorize(self, request: Request) -> None:
-        if self._api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise ProtocolError("missing API key: send 'Authorization: Bearer <key>'", 401,
-                                code="invalid_api_key")
-        if not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
-            raise ProtocolError("incorrect API key provided", 401, code="invalid_api_key")
+        self.authorize(request.headers.get("authorization"))
 
     def _parse(self, raw: bytes, model: Type[R]) -> R:
-        """Parse a body; check its model (when it names one); log the fields it ignores."""
-        body = parse_request(raw, model)
-        name = getattr(body, "model", None)
-        if name is not None and name not in (self.served_model_name, self.model_dir):
-            raise ProtocolError(f"the model '{name}' does not exist; this server serves "
-                                f"'{self.served_model_name}'", 404, param="model",
-                                code="model_not_found")
-        ignored = ignored_fields(body)
-        if ignored:
-            logger.warning("request fields ignored (not OpenAI or vLLM parameters): %s",
-                           ignored)
-        return body
+        return self.check_body(parse_request(raw, model))
 
     def _prompt_ids(self, prompt: Any, add_special_tokens: Optional[bool] = None) -> List[int]:
         if isinstance(prompt, str):
@@ -345,9 +400,9 @@ class OpenAIIngress:
 
     # ----- running a request -----
 
-    async def _serve(self, fmt: CompletionFormat, body: Any, max_tokens: int,
-                     prompt_ids: List[int], timer: RequestTimer, echo: str = "", *,
-                     timeout_s: float, release: Callable[[], None]) -> Response:
+    def _start(self, fmt: CompletionFormat, body: Any, max_tokens: int, prompt_ids: List[int],
+               timer: RequestTimer, echo: str = "", *, timeout_s: float,
+               release: Callable[[], None]) -> RequestRun:
         sampling = body.sampling(max_tokens)
         self._check_sampling(sampling)
         self._check_token_ids(list(sampling["logit_bias"]), "logit_bias")
@@ -370,10 +425,13 @@ class OpenAIIngress:
                                 else None, policy=self._migration,
                                 on_migrate=self.metrics.record_migration)
         stream = DeadlineStream(migrating, timeout_s)  # the deadline covers the migrations too
-        run = RequestRun(fmt, stream, timer, len(prompt_ids), n,  # type: ignore[arg-type]
-                         sampling["logprobs"] is not None, self._token_text, on_end,
-                         echo=echo, continuous_usage=body.continuous_usage)
-        if body.stream:
+        return RequestRun(fmt, stream, timer, len(prompt_ids), n,  # type: ignore[arg-type]
+                          sampling["logprobs"] is not None, self._token_text, on_end,
+                          echo=echo, continuous_usage=body.continuous_usage)
+
+    @staticmethod
+    async def _respond(run: RequestRun, stream: bool) -> Response:
+        if stream:
             first = await run.first_chunk()
             return StreamingResponse(run.events(first), media_type="text/event-stream")
         return JSONResponse(await run.collect())

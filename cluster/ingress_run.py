@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -171,6 +172,7 @@ class GroupStream:
 @dataclass
 class _Choice:
     texts: List[str] = field(default_factory=list)
+    token_ids: List[int] = field(default_factory=list)
     num_output_tokens: int = 0
     finish_reason: Optional[str] = None
     logprobs: List[TokenLogprob] = field(default_factory=list)
@@ -219,24 +221,36 @@ class RequestRun:
         self.timer.on_tokens(len(chunk["new_token_ids"]))
         choice.num_output_tokens = chunk["num_output_tokens"]
         choice.texts.append(chunk["delta_text"])
+        choice.token_ids.extend(chunk["new_token_ids"])
         if chunk["finished"]:
             choice.finish_reason = chunk["finish_reason"]
         if self.want_logprobs and chunk["logprobs"]:
             choice.logprobs.extend(token_logprobs(chunk["logprobs"], self.decode_token))
         return choice
 
-    async def collect(self) -> Dict[str, Any]:
-        """The whole response, once every choice finished."""
+    async def updates(self) -> AsyncIterator[Tuple[Dict[str, Any], "_Choice"]]:
+        """Each chunk with its choice, once counted. The request ends (aborted in the group if
+        unfinished, and recorded) when the iteration does: done, failed, or closed early."""
         outcome = "abort"
         try:
             async for chunk in self.stream:
-                self._on_chunk(chunk)
+                yield chunk, self._on_chunk(chunk)
             outcome = None
         except ProtocolError:
             outcome = "error"
             raise
         finally:
             self.end(outcome)
+
+    async def drain(self) -> None:
+        """Waits until every choice finished (their texts and token ids are in ``choices``)."""
+        async with aclosing(self.updates()) as updates:
+            async for _ in updates:
+                pass
+
+    async def collect(self) -> Dict[str, Any]:
+        """The whole response, once every choice finished."""
+        await self.drain()
         results = [ChoiceResult(self.echo + "".join(c.texts), c.finish_reason,
                                 c.logprobs if self.want_logprobs else None)
                    for c in self.choices]

@@ -364,6 +364,8 @@ class IngressMetrics:
         self.migrations = Counter(PREFIX + "request_migrations",
                                   "Requests sent again to another group after theirs failed",
                                   lbl + ["reason"], registry=reg)
+        self.grpc_requests = Counter(PREFIX + "grpc_requests", "gRPC calls by method and status",
+                                     lbl + ["method", "code"], registry=reg)
         self._mirror = RayMetricsMirror() if export_to_ray else None
 
     def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> _HistogramSpec:
@@ -397,6 +399,14 @@ class IngressMetrics:
         if self._mirror is not None:
             self._mirror.counter(PREFIX + "request_migrations", 1,
                                  {"model_name": self.model_name, "reason": reason})
+
+    def record_grpc(self, method: str, code: str) -> None:
+        """One gRPC call ended with status ``code`` (OK, INVALID_ARGUMENT, CANCELLED, ...); its
+        request, if it reached a group, is also in the histograms and ``request_success``."""
+        tags = {"model_name": self.model_name, "method": method, "code": code}
+        self.grpc_requests.labels(**tags).inc()
+        if self._mirror is not None:
+            self._mirror.counter(PREFIX + "grpc_requests", 1, tags)
 
     def render(self, groups: Mapping[str, GroupRecord], router_counts: Mapping[str, int],
                group_failures: Optional[Mapping[str, int]] = None) -> bytes:

@@ -68,6 +68,12 @@ def parse_request(body: bytes, model: Type[R]) -> R:
         raise ProtocolError(f"request body is not valid JSON: {exc}", code="invalid_json")
     if not isinstance(raw, dict):
         raise ProtocolError(f"request body must be a JSON object, got {type(raw).__name__}")
+    return validate_request(raw, model)
+
+
+def validate_request(raw: Dict[str, Any], model: Type[R]) -> R:
+    """Validate a decoded body (from JSON, or a gRPC request's fields); raises
+    ``ProtocolError`` (400) naming the bad field."""
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
