@@ -1,5 +1,6 @@
 """The whole product on Ray: `build_app` (ingress + KV-aware router + a TP 2 group whose rank 1 is
-a Ray actor), driven with the official `openai` client; greedy outputs equal transformers'."""
+a Ray actor), driven with the official `openai` client and a `grpcio` client; greedy outputs equal
+transformers'."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 
 from cluster.app import ServeConfig, build_app  # noqa: E402
+from cluster.grpc_service import grpc_options  # noqa: E402
 from cluster.metrics import kill_metrics_store  # noqa: E402
 from tiny_models import hf_greedy  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
@@ -34,8 +36,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def serve_app(model_dir, port, engine_kwargs=None, **config):
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def serve_app(model_dir, port, engine_kwargs=None, grpc_port=0, **config):
+    serve.start(http_options={"host": "127.0.0.1", "port": port},
+                grpc_options=grpc_options(grpc_port))
     engine = EngineConfig(model=str(model_dir), tp_size=2, block_size=4, num_kv_blocks=128,
                           **(engine_kwargs or {}))
     app = build_app(ServeConfig(engine=engine, api_key=API_KEY, served_model_name="tiny",
@@ -52,19 +55,25 @@ def stop_serving():
 
 
 @contextlib.contextmanager
-def local_serving(model_dir, **engine_kwargs):
-    """The app on a fresh local Ray; yields an `openai` client; stops everything after."""
+def local_serving(model_dir, grpc_port=0, **engine_kwargs):
+    """The app on a fresh local Ray (gRPC too unless ``grpc_port`` is 0); yields an `openai`
+    client; stops everything after."""
     ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1",
              include_dashboard=False)
     try:
-        yield serve_app(model_dir, free_port(), engine_kwargs)
+        yield serve_app(model_dir, free_port(), engine_kwargs, grpc_port)
     finally:
         stop_serving()
 
 
 @pytest.fixture(scope="module")
-def client(tiny_llama):
-    with local_serving(tiny_llama) as openai_client:
+def grpc_port():
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama, grpc_port):
+    with local_serving(tiny_llama, grpc_port) as openai_client:
         yield openai_client
 
 
@@ -163,3 +172,26 @@ def test_status_json_against_the_local_serve(client):
                                                                for r in ranks]
     assert 0.0 <= group["kv_usage"] <= 1.0 and group["running"] == 0 and group["waiting"] == 0
     assert data["deployment"]["status"] == "HEALTHY" and data["errors"] == []
+
+
+def test_grpc_on_the_whole_app_equals_transformers_and_http(client, grpc_port, expected):
+    grpc = pytest.importorskip("grpc")
+    from cluster.proto.tpserve.v1 import tpserve_pb2 as pb
+    from cluster.proto.tpserve.v1 import tpserve_pb2_grpc as pb_grpc
+
+    auth = (("authorization", f"Bearer {API_KEY}"),)
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = pb_grpc.TPServeStub(channel)
+        for prompt, want in zip(PROMPTS, expected):
+            out = stub.Complete(pb.CompletionRequest(model="tiny", prompt_token_ids=prompt,
+                                                     max_tokens=MAX_NEW, temperature=0),
+                                metadata=auth, timeout=120)
+            assert list(out.token_ids) == want and out.usage.prompt_tokens == len(prompt)
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=4,
+            temperature=0.0)
+        chunks = list(stub.ChatStream(pb.ChatRequest(
+            model="tiny", messages=[pb.ChatMessage(role="user", content="hello")],
+            max_tokens=4, temperature=0), metadata=auth, timeout=120))
+        assert "".join(c.text for c in chunks) == chat.choices[0].message.content
+        assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
