@@ -2,8 +2,9 @@
 
 ``GroupStream`` wraps the streaming handle call to a TP group and turns its failures into
 ``ProtocolError``s; ``RequestRun`` keeps what has been seen of each of the request's ``n``
-choices and builds the JSON response (``collect``) or the stream of server-sent events
-(``events``). Nothing here knows Ray Serve beyond the handle's response object.
+choices (text and token ids) and builds the JSON response (``collect``) or the stream of
+server-sent events (``events``); the gRPC API reads its chunks (``updates``) or waits for the
+end (``drain``). Nothing here knows Ray Serve beyond the handle's response object.
 """
 
 from __future__ import annotations
