@@ -9,8 +9,8 @@ takes at most 2 requests at once and queues 2 more, so a burst overloads it.
 from __future__ import annotations
 
 import json
-import sys
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -237,7 +237,7 @@ def test_bad_chat_input_and_an_unknown_model(server, stub):
     status, body = http(server, "/v1/completions", {"model": "gpt-4", "prompt": "hi"})
     for call, request in [
             (stub.Complete, pb.CompletionRequest(model="gpt-4", prompt="hi")),
-            (stub.ChatStream, pb.ChatRequest(model="gpt-4", messages=bad_role[:0] or [
+            (stub.ChatStream, pb.ChatRequest(model="gpt-4", messages=[
                 pb.ChatMessage(role="user", content="hi")]))]:
         error = rpc_error(call, request, metadata=AUTH)
         assert error.code() == grpc.StatusCode.NOT_FOUND
