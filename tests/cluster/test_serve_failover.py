@@ -1,7 +1,8 @@
 """A rank actor that dies takes its TP group down cleanly and loses no request: the request in
 flight waits for a healthy group (here the replacement Serve starts: the only group died) and
 continues there, resumed after the tokens it already streamed; the client sees one stream equal
-to the uninterrupted one. The replica reports unhealthy and Serve replaces the whole group."""
+to the uninterrupted one. The replica reports unhealthy and Serve replaces the whole group.
+A gRPC stream takes the same path."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 
-from test_serve_e2e import local_serving  # noqa: E402
+from test_serve_e2e import API_KEY, free_port, local_serving  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -26,8 +27,13 @@ STEP_TIMEOUT_S = 5.0  # a hung rank fails its group this fast (the default is 30
 
 
 @pytest.fixture(scope="module")
-def client(tiny_llama):
-    with local_serving(tiny_llama, step_timeout_s=STEP_TIMEOUT_S) as openai_client:
+def grpc_port():
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama, grpc_port):
+    with local_serving(tiny_llama, grpc_port, step_timeout_s=STEP_TIMEOUT_S) as openai_client:
         yield openai_client
 
 
@@ -103,3 +109,25 @@ def wait_for_metric(client, name: str, timeout_s: float) -> float:
         if total > 0 or time.monotonic() > deadline:
             return total
         time.sleep(0.5)
+
+
+def test_a_killed_rank_migrates_a_grpc_stream_too(client, grpc_port):
+    grpc = pytest.importorskip("grpc")
+    from cluster.proto.tpserve.v1 import tpserve_pb2 as pb
+    from cluster.proto.tpserve.v1 import tpserve_pb2_grpc as pb_grpc
+
+    request = pb.CompletionRequest(model="tiny", prompt_token_ids=[5, 6, 7], max_tokens=120,
+                                   temperature=0, ignore_eos=True)
+    metadata = (("authorization", f"Bearer {API_KEY}"),)
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = pb_grpc.TPServeStub(channel)
+        reference = stub.Complete(request, metadata=metadata, timeout=120)
+        pid = rank_pids()[1]
+        chunks = []
+        for chunk in stub.CompleteStream(request, metadata=metadata, timeout=180):
+            chunks.append(chunk)
+            if len(chunks) == 2:
+                os.kill(pid, signal.SIGKILL)  # rank 1 crashes mid-generation
+    assert [t for c in chunks for t in c.token_ids] == list(reference.token_ids)
+    assert "".join(c.text for c in chunks) == reference.text
+    assert chunks[-1].finish_reason == "length" and pid not in rank_pids()
