@@ -77,8 +77,10 @@ def test_completion_response():
 
 
 def test_grpc_options_and_a_bad_port():
+    from ray.serve.config import gRPCOptions
+
     assert grpc_options(0) is None
-    options = grpc_options(9000)
+    options = gRPCOptions(**grpc_options(9000))
     assert options.port == 9000 and options.grpc_servicer_functions == [SERVICER_FUNCTION]
     assert len(options.grpc_servicer_func_callable) == 1  # importable, as Serve's proxy needs
     with pytest.raises(ValueError, match="--grpc-port"):
