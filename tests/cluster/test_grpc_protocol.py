@@ -93,3 +93,12 @@ def test_the_cli_refuses_a_bad_grpc_port_before_starting_ray(tiny_llama):
                             text=True, timeout=120)
     assert result.returncode == 2 and "--grpc-port must be a TCP port" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_serve_config_file_serves_the_grpc_api():
+    from pathlib import Path
+
+    from cluster.serve_config import read_config_file
+
+    schema = read_config_file(Path(__file__).resolve().parents[2] / "deploy/ray/serve.yaml")
+    assert schema.grpc_options.grpc_servicer_functions == [SERVICER_FUNCTION]

@@ -10,7 +10,9 @@ http_options:
   port: 8000
 grpc_options:
   port: 9000
-  grpc_servicer_functions: []
+  # The gRPC API (cluster/proto/tpserve/v1/tpserve.proto), served by the same application.
+  grpc_servicer_functions:
+    - cluster.proto.tpserve.v1.tpserve_pb2_grpc.add_TPServeServicer_to_server
 applications:
   - name: tpserve
     route_prefix: /
