@@ -64,6 +64,8 @@ def test_chat_messages_and_options():
     (ProtocolError("busy", 503, code="overloaded"), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ProtocolError("failed", 503, code="group_failed"), grpc.StatusCode.UNAVAILABLE),
     (ProtocolError("bug", 500), grpc.StatusCode.INTERNAL),
+    (ProtocolError("slow down", 429), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ProtocolError("too slow", 504), grpc.StatusCode.DEADLINE_EXCEEDED),
 ])
 def test_status_codes(error, code):
     assert status_code(error) == code
