@@ -285,7 +285,8 @@ def test_a_burst_past_the_groups_queue_is_resource_exhausted(stub, group):
 
 
 def test_cancelling_a_stream_aborts_the_request_in_the_engine(server, stub, group):
-    group.configure.remote(step_delay_s=0.05).result()
+    # 200 tokens take 30 s: a cancellation that is slow on a loaded host still lands first.
+    group.configure.remote(step_delay_s=0.15).result()
     request = pb.CompletionRequest(model=MODEL, prompt_token_ids=[5, 6, 7], max_tokens=200,
                                    ignore_eos=True)
     call = stub.CompleteStream(request, metadata=AUTH, timeout=60)
