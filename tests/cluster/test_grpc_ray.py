@@ -291,11 +291,13 @@ def test_cancelling_a_stream_aborts_the_request_in_the_engine(server, stub, grou
                                    ignore_eos=True)
     call = stub.CompleteStream(request, metadata=AUTH, timeout=60)
     rid = next(call).id
+    next(call)  # the stream is flowing through the proxy before the client cancels
     call.cancel()
     deadline = time.monotonic() + 30  # generous: other jobs load this 2-core host
     state = group.state.remote().result()
     while time.monotonic() < deadline and not (rid in state["cancelled"]
-                                               and state["num_running"] == 0):
+                                               and state["num_running"] == 0
+                                               and state["kv_blocks_used"] == 0):
         time.sleep(0.2)
         state = group.state.remote().result()
     summary = {k: state[k] for k in ("cancelled", "num_running", "kv_blocks_used")}
