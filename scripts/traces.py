@@ -5,7 +5,9 @@ benchmarks derive from a trace alone.
   a row (``2023-11-16 18:17:03.9799600,4808,10``). No token contents.
 * Mooncake JSONL: one request a line, ``{"timestamp": ms, "input_length", "output_length",
   "hash_ids": [...]}``, one hash id per 512-token prompt block; requests whose hash ids start alike
-  share that prompt prefix. ``BlockTokens`` turns hash ids into token ids that keep this sharing.
+  share that prompt prefix, and a request whose hash ids extend an earlier one's full blocks is
+  that request's next turn (`conversation_ids`). ``BlockTokens`` turns hash ids into token ids
+  that keep this sharing.
 
 Every reader raises ``TraceError`` naming the file, the line and what was expected there; a
 script prints it without a traceback.
@@ -168,12 +170,59 @@ def _is_number(value: object) -> bool:
 # ----- what a Mooncake trace's hash ids say -----
 
 
-def sample_roots(rows: Sequence[TraceRequest], frac: float, seed: int) -> List[TraceRequest]:
-    """The requests whose first hash id is in a seeded sample of ``frac`` of the distinct ones, in
-    trace order: whole prefix families, so the subset keeps the trace's reuse structure."""
-    roots = sorted({r.hash_ids[0] for r in rows})
-    kept = set(random.Random(seed).sample(roots, max(1, round(frac * len(roots)))))
-    return [r for r in rows if r.hash_ids[0] in kept]
+def conversation_ids(rows: Sequence[TraceRequest]) -> List[int]:
+    """Each row's conversation: the index of its conversation's first row.
+
+    A row continues the conversation of the latest earlier row whose full prompt blocks
+    (``num_prompt_tokens // 512`` of its hash ids; the last, partial block changes when a turn is
+    appended) are all a prefix of its own hash ids, the longest such prefix winning; otherwise
+    it starts a conversation. Requests that only share leading blocks (a shared system prompt, a
+    shared document) are separate conversations, so a trace whose every request starts with the
+    same block still has as many conversations as it has chains. (A turn whose only full blocks
+    are that shared prefix would absorb every later request with it: each turn must add at least
+    one full block of its own.) Cost: O(L^2) tuple hashing for a row of L hash ids."""
+    by_prefix: Dict[Tuple[int, ...], int] = {}
+    ids: List[int] = []
+    for index, row in enumerate(rows):
+        parent = next((by_prefix[row.hash_ids[:k]] for k in range(len(row.hash_ids), 0, -1)
+                       if row.hash_ids[:k] in by_prefix), index)
+        ids.append(parent)
+        num_full = min(len(row.hash_ids), row.num_prompt_tokens // MOONCAKE_BLOCK_TOKENS)
+        if num_full:
+            by_prefix[row.hash_ids[:num_full]] = parent
+    return ids
+
+
+def sample_conversations(rows: Sequence[TraceRequest], seed: int,
+                         num_requests: Optional[int] = None,
+                         frac: Optional[float] = None) -> List[TraceRequest]:
+    """A seeded subset of whole conversations (`conversation_ids`), in trace order.
+
+    ``frac``: that fraction of the conversations (at least one). ``num_requests``: exactly that
+    many requests (all of them if the trace has fewer): conversations in a seeded order, each
+    taken whole if it fits in the room left, else skipped; if room is left at the end, the first
+    turns of the first skipped conversation fill it (a conversation cut after a turn is still a
+    conversation: only later turns are missing). One of the two must be given."""
+    if (num_requests is None) == (frac is None):
+        raise ValueError("sample_conversations: give exactly one of num_requests and frac")
+    members: Dict[int, List[int]] = {}
+    for index, conversation in enumerate(conversation_ids(rows)):
+        members.setdefault(conversation, []).append(index)
+    order = sorted(members)
+    random.Random(seed).shuffle(order)
+    if frac is not None:
+        kept = [i for c in order[:max(1, round(frac * len(order)))] for i in members[c]]
+        return [rows[i] for i in sorted(kept)]
+    room = min(num_requests, len(rows))
+    kept, skipped = [], []
+    for conversation in order:
+        if len(members[conversation]) <= room - len(kept):
+            kept += members[conversation]
+        else:
+            skipped.append(conversation)
+    if len(kept) < room:
+        kept += members[skipped[0]][:room - len(kept)]
+    return [rows[i] for i in sorted(kept)]
 
 
 def ideal_hit_rate(rows: Iterable[TraceRequest]) -> Tuple[float, float]:
