@@ -24,6 +24,9 @@ from workers.engine_sizing import check_model, context_length, fit_context_to_po
 from workers.model_config import ModelConfig, load_model_config
 
 
+ROUTERS = ("kv", "pow2", "prefix_affinity", "round_robin")
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     engine: EngineConfig
@@ -34,15 +37,17 @@ class ServeConfig:
     served_model_name: Optional[str] = None
     routing_stats_period_s: float = 0.5
     placement_strategy: str = "PACK"  # of each group's ranks: PACK, SPREAD, STRICT_PACK/SPREAD
-    router: str = "kv"  # "kv": tpserve's KV-aware router; "pow2": Serve's default (baseline)
+    # "kv": tpserve's KV-aware router; baselines (cluster/baseline_routers.py): "pow2" (Serve's
+    # default), "prefix_affinity", "round_robin"
+    router: str = "kv"
     max_ongoing_requests: int = 256
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_groups <= self.max_groups:
             raise ValueError(f"--groups must be N or MIN:MAX with 1 <= MIN <= MAX, got "
                              f"{self.min_groups}:{self.max_groups}")
-        if self.router not in ("kv", "pow2"):
-            raise ValueError(f"router must be 'kv' or 'pow2', got {self.router!r}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
         if not 0.0 < self.kv_target_occupancy <= 1.0:
             raise ValueError(f"--kv-target-occupancy must be in (0, 1], got "
                              f"{self.kv_target_occupancy}")
@@ -87,11 +92,17 @@ def group_resources(config: ServeConfig, cluster: Dict[str, float]) -> GroupReso
 
 
 def router_config(config: ServeConfig) -> RequestRouterConfig:
-    """The group deployment's router: tpserve's KV-aware one, or Serve's default to compare."""
+    """The group deployment's router: tpserve's KV-aware one, or one of Serve's to compare."""
     stats = dict(request_routing_stats_period_s=config.routing_stats_period_s,
                  request_routing_stats_timeout_s=max(1.0, config.routing_stats_period_s * 2))
     if config.router == "pow2":
         return RequestRouterConfig(**stats)
+    if config.router in ("prefix_affinity", "round_robin"):
+        from cluster import baseline_routers
+
+        cls = (baseline_routers.TokenPrefixAffinityRouter if config.router == "prefix_affinity"
+               else baseline_routers.RoundRobinRouter)
+        return RequestRouterConfig(request_router_class=cls, **stats)
     return RequestRouterConfig(
         request_router_class=KVAwareRouter,
         request_router_kwargs={"target_occupancy": config.kv_target_occupancy}, **stats)
