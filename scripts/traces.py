@@ -173,24 +173,42 @@ def _is_number(value: object) -> bool:
 def conversation_ids(rows: Sequence[TraceRequest]) -> List[int]:
     """Each row's conversation: the index of its conversation's first row.
 
-    A row continues the conversation of the latest earlier row whose full prompt blocks
-    (``num_prompt_tokens // 512`` of its hash ids; the last, partial block changes when a turn is
-    appended) are all a prefix of its own hash ids, the longest such prefix winning; otherwise
-    it starts a conversation. Requests that only share leading blocks (a shared system prompt, a
-    shared document) are separate conversations, so a trace whose every request starts with the
-    same block still has as many conversations as it has chains. (A turn whose only full blocks
-    are that shared prefix would absorb every later request with it: each turn must add at least
-    one full block of its own.) Cost: O(L^2) tuple hashing for a row of L hash ids."""
-    by_prefix: Dict[Tuple[int, ...], int] = {}
+    A turn's full prompt blocks (``num_prompt_tokens // 512`` of its hash ids; its last, partial
+    block changes when the next turn appends to it) are its conversation's key. A row continues
+    the conversation whose key is the longest prefix of its hash ids; otherwise it starts one.
+    A key counts only if, across the trace, every full block that follows it is the same block:
+    a conversation goes on one way, while a shared system prompt or document is followed by the
+    different first blocks of many requests. So requests that only share leading blocks are
+    separate conversations, also when every request starts with the same block, and a turn whose
+    only full blocks are such a shared prefix starts a conversation that later turns cannot join.
+    Cost: O(total hash ids), in two passes."""
+    keys = [_prefix_keys(row.hash_ids) for row in rows]
+    next_blocks: Dict[int, set] = {}
+    for row, row_keys in zip(rows, keys):
+        for i in range(_num_full_blocks(row) - 1):
+            next_blocks.setdefault(row_keys[i], set()).add(row.hash_ids[i + 1])
+    by_key: Dict[int, int] = {}
     ids: List[int] = []
-    for index, row in enumerate(rows):
-        parent = next((by_prefix[row.hash_ids[:k]] for k in range(len(row.hash_ids), 0, -1)
-                       if row.hash_ids[:k] in by_prefix), index)
+    for index, (row, row_keys) in enumerate(zip(rows, keys)):
+        parent = next((by_key[k] for k in reversed(row_keys) if k in by_key), index)
         ids.append(parent)
-        num_full = min(len(row.hash_ids), row.num_prompt_tokens // MOONCAKE_BLOCK_TOKENS)
-        if num_full:
-            by_prefix[row.hash_ids[:num_full]] = parent
+        num_full = _num_full_blocks(row)
+        if num_full and len(next_blocks.get(row_keys[num_full - 1], ())) <= 1:
+            by_key[row_keys[num_full - 1]] = parent
     return ids
+
+
+def _num_full_blocks(row: TraceRequest) -> int:
+    return min(len(row.hash_ids), row.num_prompt_tokens // MOONCAKE_BLOCK_TOKENS)
+
+
+def _prefix_keys(hash_ids: Sequence[int]) -> List[int]:
+    """One int per prefix of ``hash_ids``, chained (equal prefixes, equal keys)."""
+    keys, key = [], 0
+    for h in hash_ids:
+        key = hash((key, h))
+        keys.append(key)
+    return keys
 
 
 def sample_conversations(rows: Sequence[TraceRequest], seed: int,
