@@ -24,7 +24,7 @@ from workers.engine_sizing import check_model, context_length, fit_context_to_po
 from workers.model_config import ModelConfig, load_model_config
 
 
-ROUTERS = ("kv", "pow2", "prefix_affinity", "round_robin")
+ROUTERS = ("kv", "kv_strict", "pow2", "prefix_affinity", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,9 @@ class ServeConfig:
     served_model_name: Optional[str] = None
     routing_stats_period_s: float = 0.5
     placement_strategy: str = "PACK"  # of each group's ranks: PACK, SPREAD, STRICT_PACK/SPREAD
-    # "kv": tpserve's KV-aware router; baselines (cluster/baseline_routers.py): "pow2" (Serve's
-    # default), "prefix_affinity", "round_robin"
+    # "kv": tpserve's KV-aware router ("kv_strict": with its former prefix-first order);
+    # baselines (cluster/baseline_routers.py): "pow2" (Serve's default), "prefix_affinity",
+    # "round_robin"
     router: str = "kv"
     max_ongoing_requests: int = 256
 
@@ -103,9 +104,11 @@ def router_config(config: ServeConfig) -> RequestRouterConfig:
         cls = (baseline_routers.TokenPrefixAffinityRouter if config.router == "prefix_affinity"
                else baseline_routers.RoundRobinRouter)
         return RequestRouterConfig(request_router_class=cls, **stats)
-    return RequestRouterConfig(
-        request_router_class=KVAwareRouter,
-        request_router_kwargs={"target_occupancy": config.kv_target_occupancy}, **stats)
+    kwargs = {"target_occupancy": config.kv_target_occupancy}
+    if config.router == "kv_strict":
+        kwargs["load_weight"] = 0.0
+    return RequestRouterConfig(request_router_class=KVAwareRouter,
+                               request_router_kwargs=kwargs, **stats)
 
 
 def build_app(config: ServeConfig, cluster: Dict[str, float]):

@@ -84,6 +84,7 @@ from traces import (MOONCAKE_SYNTHETIC_TRACE, TraceError, TraceRequest,  # noqa:
 
 DEFAULT_TRACE = MOONCAKE_SYNTHETIC_TRACE
 ROUTERS = ("kv", "pow2", "prefix_affinity", "round_robin")
+OPTIONAL_ROUTERS = ("kv_strict",)  # the KV-aware router with its former prefix-first order
 DEFAULT_PLOT = "/tmp/tpserve_bench_serve_sweep.png"
 
 
@@ -122,7 +123,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
                    help="Mooncake JSONL or Azure CSV trace (default: %(default)s)")
-    p.add_argument("--requests", "--num-requests", dest="num_requests", type=int, default=120,
+    p.add_argument("--requests", "--num-requests", dest="num_requests", type=int, default=80,
                    help="requests replayed, sampled as whole conversations")
     p.add_argument("--system-prompt-blocks", type=int, default=8,
                    help="shared hash blocks (512 trace tokens each) in front of every prompt")
@@ -146,7 +147,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="--kv-blocks auto: working set / one group's pool")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--routers", default=",".join(ROUTERS),
-                   help=f"comma-separated, of {', '.join(ROUTERS)}")
+                   help=f"comma-separated, of {', '.join(ROUTERS + OPTIONAL_ROUTERS)}")
     p.add_argument("--target", default="0.7",
                    help="the KV-aware router's occupancy target; several (0.5,0.6,...): a "
                         "sweep of the KV-aware router alone")
@@ -172,8 +173,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error("--groups must be at least 1, --system-prompt-blocks at least 0, "
                 "--kv-pressure positive")
     args.routers = [r.strip() for r in args.routers.split(",") if r.strip()]
-    if not args.routers or set(args.routers) - set(ROUTERS):
-        p.error(f"--routers takes a comma-separated list of {', '.join(ROUTERS)}")
+    if not args.routers or set(args.routers) - set(ROUTERS + OPTIONAL_ROUTERS):
+        p.error(f"--routers takes a comma-separated list of "
+                f"{', '.join(ROUTERS + OPTIONAL_ROUTERS)}")
     try:
         args.targets = [float(t) for t in args.target.split(",")]
     except ValueError:
