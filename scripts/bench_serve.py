@@ -23,8 +23,8 @@ content; ``traces.py`` reads both):
 
 KV pressure: ``--kv-blocks auto`` (the default) sizes each group's pool so that the working set
 (every distinct full prompt block once, plus each request's own partial and output blocks) is
-``--kv-pressure`` (2.0) times one group's pool: two groups together just hold it if each keeps
-its own prefixes, and thrash if both must hold all of them. Near saturation: ``--rate auto`` (the
+``--kv-pressure`` (3.0) times one group's pool: two groups together hold two thirds of it if
+each keeps its own prefixes, a third if both must hold all of them. Near saturation: ``--rate auto`` (the
 default) first runs a sample of the requests (``--calibration-requests``) all at once through a
 separate deployment (power of two choices), takes requests done / time as what the groups
 sustain, and sets the Poisson rate to ``--load`` (0.9) of it; both are printed. ``--target``
@@ -143,7 +143,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--groups", type=int, default=2)
     p.add_argument("--kv-blocks", default="auto",
                    help="KV pool blocks per group, or 'auto': working set / --kv-pressure")
-    p.add_argument("--kv-pressure", type=float, default=2.0,
+    p.add_argument("--kv-pressure", type=float, default=3.0,
                    help="--kv-blocks auto: working set / one group's pool")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--routers", default=",".join(ROUTERS),
@@ -256,26 +256,31 @@ def set_arrivals(args: argparse.Namespace, work: Workload, endpoint: Endpoint) -
         meta.update(rate_req_s=None, sustained_req_s=None)
         meta["arrival_desc"] = f"trace times / {args.time_scale}"
     else:
-        rate = args.rate
-        if rate is None:
-            sample = calibration_sample(work.requests, args.calibration_requests)
-            config = serve_config(args, work, args.targets[0])
-            run = run_router("pow2", config, endpoint, sample, label="calibration")
-            summary = summarize(run)
-            if summary["num_ok"] < len(sample):
-                raise RuntimeError(f"--rate auto: {summary['num_failed']} of {len(sample)} "
-                                   f"calibration requests failed ({summary['failures']})")
-            sustained = sustained_rate(summary["num_ok"], summary["duration_s"])
-            rate = poisson_rate(sustained, args.load)
-            meta.update(sustained_req_s=round(sustained, 3), calibration_requests=len(sample),
-                        calibration_s=summary["duration_s"],
-                        calibration_load_avg=summary["load_avg"])
-            log(f"--rate auto: sustained {sustained:.3f} req/s; Poisson rate {args.load} x "
-                f"that = {rate:.3f} req/s")
+        rate = args.rate or poisson_rate(calibrate(args, work, endpoint), args.load)
         work.requests = with_rate(work.requests, rate, args.seed)
         meta["rate_req_s"] = round(rate, 3)
         meta["arrival_desc"] = f"Poisson {rate:.3f} req/s"
+        if args.rate is None:
+            log(f"--rate auto: sustained {meta['sustained_req_s']} req/s; Poisson rate "
+                f"{args.load} x that = {rate:.3f} req/s")
     meta["arrival_desc"] += f", last at {work.requests[-1].arrival_s:.1f} s"
+
+
+def calibrate(args: argparse.Namespace, work: Workload, endpoint: Endpoint) -> float:
+    """Requests per second the groups finish: a sample sent all at once to a fresh deployment
+    (power of two choices, so no prefix placement flatters it)."""
+    sample = calibration_sample(work.requests, args.calibration_requests)
+    run = run_router("pow2", serve_config(args, work, args.targets[0]), endpoint, sample,
+                     label="calibration")
+    summary = summarize(run)
+    if summary["num_ok"] < len(sample):
+        raise RuntimeError(f"--rate auto: {summary['num_failed']} of {len(sample)} "
+                           f"calibration requests failed ({summary['failures']})")
+    sustained = sustained_rate(summary["num_ok"], summary["duration_s"])
+    work.meta.update(sustained_req_s=round(sustained, 3), calibration_requests=len(sample),
+                     calibration_s=summary["duration_s"],
+                     calibration_load_avg=summary["load_avg"])
+    return sustained
 
 
 # ----- main -----
