@@ -24,7 +24,7 @@ from workers.engine_sizing import check_model, context_length, fit_context_to_po
 from workers.model_config import ModelConfig, load_model_config
 
 
-ROUTERS = ("kv", "kv_weighted", "pow2", "prefix_affinity", "round_robin")
+ROUTERS = ("kv", "kv_strict", "pow2", "prefix_affinity", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class ServeConfig:
     served_model_name: Optional[str] = None
     routing_stats_period_s: float = 0.5
     placement_strategy: str = "PACK"  # of each group's ranks: PACK, SPREAD, STRICT_PACK/SPREAD
-    # "kv": tpserve's KV-aware router ("kv_weighted": scoring prefix 3 : load 2, as llm-d);
+    # "kv": tpserve's KV-aware router ("kv_strict": with its former prefix-first order);
     # baselines (cluster/baseline_routers.py): "pow2" (Serve's default), "prefix_affinity",
     # "round_robin"
     router: str = "kv"
@@ -105,8 +105,8 @@ def router_config(config: ServeConfig) -> RequestRouterConfig:
                else baseline_routers.RoundRobinRouter)
         return RequestRouterConfig(request_router_class=cls, **stats)
     kwargs = {"target_occupancy": config.kv_target_occupancy}
-    if config.router == "kv_weighted":
-        kwargs["load_weight"] = 2.0
+    if config.router == "kv_strict":
+        kwargs["load_weight"] = 0.0
     return RequestRouterConfig(request_router_class=KVAwareRouter,
                                request_router_kwargs=kwargs, **stats)
 

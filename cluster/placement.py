@@ -1,6 +1,6 @@
 """Where a request goes: the pure placement policy behind the KV-aware router.
 
-    rank_groups(demand, loads, target_occupancy=0.70, prefix_weight=3, load_weight=0)
+    rank_groups(demand, loads, target_occupancy=0.70, prefix_weight=3, load_weight=2)
         -> [Placement, ...]   best group first
 
 Data in, decision out: no Ray, no clock, no I/O, so the policy is tested on plain inputs and the
@@ -16,13 +16,15 @@ The policy, in rank order:
        prefix_weight * cached prefix blocks / the request's full blocks
      + load_weight * (1 - projected occupancy / the highest projected occupancy of these groups)
 
-   By default ``load_weight`` is 0: the strict order, longest cached prefix first, load only
-   breaking ties. With a load weight (llm-d's profile: 3 and 2) a cached prefix outweighs the
-   load difference only while it is a large part of the request. Measured on the serving
-   benchmark's KV-pressure workload (README), the weighted score did not beat the strict order
-   (TTFT p99 5,423 vs 4,817 ms, hit rate 0.518 vs 0.554, same run), though in one of three runs
-   the strict order sent 88% of the prefill to one group (the first to cache a shared system
-   prompt always has the longer prefix while KV is plentiful): hence the option, off.
+   The weights are llm-d's profile (3 and 2): a cached prefix outweighs the load difference
+   only while it is a large part of the request. With ``load_weight`` 0 this is the former
+   strict order, longest cached prefix first and load only breaking ties. On the serving
+   benchmark's KV-pressure workload (README) that order sent 88% and 99.7% of the prefill to one
+   group in two of four runs: the first group to cache a shared system prompt always has the
+   longer prefix, and stays under target while compute, not KV, is short. In the second of those
+   runs its hit rate was 0.496 against the weighted score's 0.552 (one pool held what two
+   could); over three same-run pairs the hit rates were 0.554/0.552, 0.554/0.518, 0.496/0.552
+   and TTFT p99 differed both ways, within this host's noise.
 2. Fresh groups over the target, by the lowest projected occupancy, then group id: when no group
    has room, the least-loaded one takes the request (the engine queues or preempts there).
 3. Groups whose report is stale (older than ``max_report_age_s``), by the same key as 2. A report
@@ -48,7 +50,7 @@ from kv.prefix_hash import BlockHash
 DEFAULT_TARGET_OCCUPANCY = 0.70
 DEFAULT_MAX_REPORT_AGE_S = 5.0
 DEFAULT_PREFIX_WEIGHT = 3.0
-DEFAULT_LOAD_WEIGHT = 0.0  # the strict order; 2.0 with prefix 3.0 is llm-d's profile
+DEFAULT_LOAD_WEIGHT = 2.0  # with prefix 3.0, llm-d's profile; 0.0: the strict prefix order
 
 
 def _num_blocks(num_tokens: int, block_size: int) -> int:

@@ -84,7 +84,7 @@ from traces import (MOONCAKE_SYNTHETIC_TRACE, TraceError, TraceRequest,  # noqa:
 
 DEFAULT_TRACE = MOONCAKE_SYNTHETIC_TRACE
 ROUTERS = ("kv", "pow2", "prefix_affinity", "round_robin")
-OPTIONAL_ROUTERS = ("kv_weighted",)  # the KV-aware router scoring prefix 3 : load 2
+OPTIONAL_ROUTERS = ("kv_strict",)  # the KV-aware router with its former prefix-first order
 DEFAULT_PLOT = "/tmp/tpserve_bench_serve_sweep.png"
 
 

@@ -19,9 +19,9 @@ def test_serve_config_router_choice():
     assert "TokenPrefixAffinityRouter" in str(prefix.request_router_class)
     round_robin = router_config(ServeConfig(engine=engine, router="round_robin"))
     assert "RoundRobinRouter" in str(round_robin.request_router_class)
-    weighted = router_config(ServeConfig(engine=engine, router="kv_weighted"))
-    assert weighted.request_router_kwargs == {"target_occupancy": 0.7, "load_weight": 2.0}
-    with pytest.raises(ValueError, match="router must be one of kv, kv_weighted, pow2"):
+    strict = router_config(ServeConfig(engine=engine, router="kv_strict"))
+    assert strict.request_router_kwargs == {"target_occupancy": 0.7, "load_weight": 0.0}
+    with pytest.raises(ValueError, match="router must be one of kv, kv_strict, pow2"):
         ServeConfig(engine=engine, router="random")
 
 

@@ -191,7 +191,7 @@ def test_sent_tokens_push_the_prefix_group_over_target_so_the_next_request_goes_
     assert ids(rank_groups(request, reported)) == ["b", "a"]
 
 
-def test_by_default_the_longest_cached_prefix_wins_under_target():
+def test_without_a_load_weight_the_longest_cached_prefix_wins_under_target():
     tokens = list(range(8 * BS))
     hashes = extend_block_hashes([], tokens, BS)
     loads = [
@@ -199,7 +199,7 @@ def test_by_default_the_longest_cached_prefix_wins_under_target():
         load("two_blocks", 30, cached=hashes[:2]),
         load("six_blocks", 50, cached=hashes[:6] + [12345]),
     ]
-    placements = rank_groups(demand(len(tokens) + 64, hashes), loads)
+    placements = rank_groups(demand(len(tokens) + 64, hashes), loads, load_weight=0.0)
     assert [(p.group_id, p.reason, p.cached_prefix_blocks) for p in placements] == [
         ("six_blocks", R.UNDER_TARGET_PREFIX, 6),
         ("two_blocks", R.UNDER_TARGET_PREFIX, 2),
@@ -217,7 +217,7 @@ def test_weighted_score_trades_a_short_prefix_for_load():
         load("two_blocks", 30, cached=hashes[:2]),
         load("six_blocks", 50, cached=hashes[:6] + [12345]),
     ]
-    placements = rank_groups(demand(len(tokens) + 64, hashes), loads, load_weight=2.0)
+    placements = rank_groups(demand(len(tokens) + 64, hashes), loads)
     assert [(p.group_id, p.reason, p.cached_prefix_blocks) for p in placements] == [
         ("six_blocks", R.UNDER_TARGET_PREFIX, 6),
         ("empty", R.UNDER_TARGET, 0),
@@ -225,7 +225,7 @@ def test_weighted_score_trades_a_short_prefix_for_load():
     ]
 
 
-def test_a_load_weight_keeps_a_shared_system_prompt_from_pulling_everything_to_one_group():
+def test_a_shared_system_prompt_does_not_pull_every_request_to_one_group():
     # Every prompt starts with the same 2 blocks; "warm" cached them with its first request and
     # is busier (occupancy with the request 0.38 against 0.08). The strict order sends the next
     # request there too; the score sends it to the idle group (3 x 2/8 = 0.75 against
@@ -236,12 +236,10 @@ def test_a_load_weight_keeps_a_shared_system_prompt_from_pulling_everything_to_o
     next_turn = extend_block_hashes([], system + list(range(900, 900 + 6 * BS)), BS)
     warm = load("warm", 30, cached=new_request[:2] + next_turn[:7])
     idle = load("idle", 0)
-    assert ids(rank_groups(demand(8 * BS, new_request), [warm, idle])) == ["warm", "idle"]
-    weighted = dict(prefix_weight=3.0, load_weight=2.0)
-    assert ids(rank_groups(demand(8 * BS, new_request), [warm, idle], **weighted)) == [
-        "idle", "warm"]
-    assert ids(rank_groups(demand(8 * BS, next_turn), [warm, idle], **weighted)) == [
-        "warm", "idle"]
+    strict = rank_groups(demand(8 * BS, new_request), [warm, idle], load_weight=0.0)
+    assert ids(strict) == ["warm", "idle"]
+    assert ids(rank_groups(demand(8 * BS, new_request), [warm, idle])) == ["idle", "warm"]
+    assert ids(rank_groups(demand(8 * BS, next_turn), [warm, idle])) == ["warm", "idle"]
 
 
 def test_negative_weights_are_refused():
@@ -346,7 +344,7 @@ def _naive_prefix(group: GroupLoad, request: RequestDemand) -> int:
 @given(scenarios())
 def test_ranking_properties(scenario):
     request, loads = scenario
-    placements = rank_groups(request, loads, TARGET, max_report_age_s=5.0, load_weight=2.0)
+    placements = rank_groups(request, loads, TARGET, max_report_age_s=5.0)
     by_id = {group.group_id: group for group in loads}
     assert sorted(ids(placements)) == sorted(by_id)  # every group exactly once
     fresh_under = [
@@ -375,8 +373,8 @@ def test_ranking_properties(scenario):
         for p in placements
     ]
     assert keys == sorted(keys, key=lambda k: (k[0], round(k[1], 9), k[2], k[3]))
-    # Without a load weight (the default): the strict order, longer prefix first.
-    strict = rank_groups(request, loads, TARGET, max_report_age_s=5.0)
+    # Without a load weight: the strict order, longer prefix first.
+    strict = rank_groups(request, loads, TARGET, max_report_age_s=5.0, load_weight=0.0)
     keys = [(tiers[p.reason], -(p.cached_prefix_blocks or 0), p.projected_occupancy,
              p.group_id) for p in strict]
     assert keys == sorted(keys)
