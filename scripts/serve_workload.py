@@ -76,18 +76,22 @@ def arrival_times(trace: Sequence[TraceRequest], scaling: Scaling,
                   rng: random.Random) -> List[float]:
     if scaling.arrival == "trace":
         return [row.arrival_s / scaling.time_scale for row in trace]
+    return poisson_times(len(trace), scaling.rate_req_s, rng)
+
+
+def poisson_times(num: int, rate_req_s: float, rng: random.Random) -> List[float]:
+    """``num`` arrival times, the first at 0, exponential gaps of mean ``1 / rate_req_s``."""
     times, now = [], 0.0
-    for _ in trace:
+    for _ in range(num):
         times.append(now)
-        now += rng.expovariate(scaling.rate_req_s)
+        now += rng.expovariate(rate_req_s)
     return times
 
 
 def with_rate(requests: Sequence[BenchRequest], rate_req_s: float,
               seed: int) -> List[BenchRequest]:
     """The same requests, Poisson arrivals at ``rate_req_s`` (seeded)."""
-    scaling = Scaling(1, 1, "poisson", rate_req_s, 1.0)
-    times = arrival_times(requests, scaling, random.Random(seed))  # type: ignore[arg-type]
+    times = poisson_times(len(requests), rate_req_s, random.Random(seed))
     return [replace(r, arrival_s=t) for r, t in zip(requests, times)]
 
 
