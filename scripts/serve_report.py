@@ -222,6 +222,8 @@ def plot_sweep(targets: Sequence[float], summaries: List[Dict[str, Any]], path: 
     right = left.twinx()
     right.plot(targets, [s["throughput_tok_s"] for s in summaries], "s--", color="tab:blue")
     right.set_ylabel("throughput (output tok/s)", color="tab:blue")
+    left.set_ylim(bottom=0)
+    right.set_ylim(bottom=0)  # from zero: a flat line must look flat
     left.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
