@@ -32,6 +32,9 @@ from workers.engine_sizing import check_model, context_length, fit_context_to_po
 from workers.model_config import ModelConfig, load_model_config
 
 
+ROUTERS = ("kv", "kv_strict", "pow2", "prefix_affinity", "round_robin")
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     engine: EngineConfig
@@ -42,7 +45,10 @@ class ServeConfig:
     served_model_name: Optional[str] = None
     routing_stats_period_s: float = 0.5
     placement_strategy: str = "PACK"  # of each group's ranks: PACK, SPREAD, STRICT_PACK/SPREAD
-    router: str = "kv"  # "kv": tpserve's KV-aware router; "pow2": Serve's default (baseline)
+    # "kv": tpserve's KV-aware router ("kv_strict": with its former prefix-first order);
+    # baselines (cluster/baseline_routers.py): "pow2" (Serve's default), "prefix_affinity",
+    # "round_robin"
+    router: str = "kv"
     max_migrations: int = 3  # re-sends of a request whose group failed while serving it
     # "plan": the topology plan places each group (cluster.group_allocator); "serve": Serve does;
     # "auto": the plan on clusters with GPUs, Serve on CPU-only ones.
@@ -65,8 +71,8 @@ class ServeConfig:
                              f"{self.min_groups}:{self.max_groups}")
         if self.placement not in ("auto", "plan", "serve"):
             raise ValueError(f"--placement must be auto, plan or serve, got {self.placement!r}")
-        if self.router not in ("kv", "pow2"):
-            raise ValueError(f"router must be 'kv' or 'pow2', got {self.router!r}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
         if self.max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if not 0.0 < self.kv_target_occupancy <= 1.0:
@@ -166,14 +172,22 @@ def group_placement_options(resources: GroupResources, tp_size: int, strategy: s
 
 
 def router_config(config: ServeConfig) -> RequestRouterConfig:
-    """The group deployment's router: tpserve's KV-aware one, or Serve's default to compare."""
+    """The group deployment's router: tpserve's KV-aware one, or one of Serve's to compare."""
     stats = dict(request_routing_stats_period_s=config.routing_stats_period_s,
                  request_routing_stats_timeout_s=max(1.0, config.routing_stats_period_s * 2))
     if config.router == "pow2":
         return RequestRouterConfig(**stats)
-    return RequestRouterConfig(
-        request_router_class=KVAwareRouter,
-        request_router_kwargs={"target_occupancy": config.kv_target_occupancy}, **stats)
+    if config.router in ("prefix_affinity", "round_robin"):
+        from cluster import baseline_routers
+
+        cls = (baseline_routers.TokenPrefixAffinityRouter if config.router == "prefix_affinity"
+               else baseline_routers.RoundRobinRouter)
+        return RequestRouterConfig(request_router_class=cls, **stats)
+    kwargs = {"target_occupancy": config.kv_target_occupancy}
+    if config.router == "kv_strict":
+        kwargs["load_weight"] = 0.0
+    return RequestRouterConfig(request_router_class=KVAwareRouter,
+                               request_router_kwargs=kwargs, **stats)
 
 
 def build_app(config: ServeConfig, cluster: Dict[str, float]):

@@ -74,7 +74,9 @@ from ray.serve.request_router import (
 
 from cluster.metrics import register_router_decisions
 from cluster.placement import (
+    DEFAULT_LOAD_WEIGHT,
     DEFAULT_MAX_REPORT_AGE_S,
+    DEFAULT_PREFIX_WEIGHT,
     DEFAULT_TARGET_OCCUPANCY,
     GroupLoad,
     Placement,
@@ -134,11 +136,14 @@ def kv_aware_router_config(
     max_report_age_s: Optional[float] = None,
     block_size: Optional[int] = None,
     num_decision_times: int = 4096,
+    prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
+    load_weight: float = DEFAULT_LOAD_WEIGHT,
 ) -> RequestRouterConfig:
     """The ``request_router_config`` of a group deployment, validated here rather than in the
     first caller. ``max_report_age_s`` defaults to the larger of 5 s and ten stats periods, and
     a charge no report lists expires after twice that; ``block_size`` is the one the callers'
-    ``block_hashes`` use (by default, the groups')."""
+    ``block_hashes`` use (by default, the groups'); the weights are `rank_groups`' (load_weight
+    0: the strict prefix-first order)."""
     if max_report_age_s is None:
         max_report_age_s = max(DEFAULT_MAX_REPORT_AGE_S, 10 * stats_period_s)
     kwargs: Dict[str, Any] = dict(
@@ -147,6 +152,8 @@ def kv_aware_router_config(
         charge_ttl_s=2 * max_report_age_s,
         block_size=block_size,
         num_decision_times=num_decision_times,
+        prefix_weight=prefix_weight,
+        load_weight=load_weight,
     )
     _RouterSettings(**kwargs)  # raises ValueError now, not on the first request
     return RequestRouterConfig(
@@ -166,6 +173,8 @@ class _RouterSettings:
     charge_ttl_s: float = 2 * DEFAULT_MAX_REPORT_AGE_S
     block_size: Optional[int] = None
     num_decision_times: int = 4096
+    prefix_weight: float = DEFAULT_PREFIX_WEIGHT
+    load_weight: float = DEFAULT_LOAD_WEIGHT
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target_occupancy <= 1.0:
@@ -181,6 +190,9 @@ class _RouterSettings:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_decision_times < 1:
             raise ValueError(f"num_decision_times must be >= 1, got {self.num_decision_times}")
+        if not (self.prefix_weight >= 0 and self.load_weight >= 0):
+            raise ValueError(f"prefix_weight and load_weight must not be negative, got "
+                             f"{self.prefix_weight} and {self.load_weight}")
 
 
 @dataclass(frozen=True)
@@ -446,8 +458,10 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 self._warned_bad_demand = True
                 logger.warning("routing by power of two choices: bad request demand: %s", e)
             return None, _PendingDecision(0, None, FALLBACK_BAD_DEMAND)
+        settings = self._settings
         placements = rank_groups(
-            demand, loads, self._settings.target_occupancy, self._settings.max_report_age_s
+            demand, loads, settings.target_occupancy, settings.max_report_age_s,
+            settings.prefix_weight, settings.load_weight,
         )
         ranks = [[by_group[placement.group_id]] for placement in placements]
         if unreported:

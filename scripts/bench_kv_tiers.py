@@ -17,8 +17,10 @@ Three parts, in one process, one after another:
     ``disk_ratio`` is the lower of the write and read ratios. Nothing is synced in either.
 (c) Trace replay through the real engine (``LLMEngine``) of a Mooncake-format JSONL trace
     (``{"timestamp", "input_length", "output_length", "hash_ids"}``, one hash id per 512-token
-    block). Subset: the requests whose first hash id is in a seeded sample of ``--root-frac`` of
-    the distinct first hash ids, in trace order (this keeps the reuse structure). Scaling: every
+    block). Subset: whole conversations (``traces.conversation_ids``: a request that extends an
+    earlier one's full blocks is its next turn; a shared first block alone does not join two
+    requests), a seeded sample of ``--root-frac`` of them or ``--requests`` requests, in trace
+    order (this keeps the reuse structure). Scaling: every
     hash id becomes one block of ``block_size`` token ids drawn from ``random.Random(hash_id)``, so
     a prompt is the concatenation of its blocks (the trace's ``input_length`` is replaced by
     ``len(hash_ids) * block_size``; prompts longer than the model's context lose their last
@@ -70,7 +72,8 @@ from workers.model_config import ModelConfig, load_model_config  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
 
 from traces import (MOONCAKE_BLOCK_TOKENS, MOONCAKE_SYNTHETIC_TRACE, BlockTokens,  # noqa: E402
-                    TraceError, TraceRequest, ideal_hit_rate, read_mooncake, sample_roots)
+                    TraceError, TraceRequest, conversation_ids, ideal_hit_rate, read_mooncake,
+                    sample_conversations)
 
 DEFAULT_TRACE = MOONCAKE_SYNTHETIC_TRACE
 MIN_TOKEN_ID = 3  # stay clear of the special tokens at the lowest ids
@@ -379,7 +382,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--disk-blocks", type=int, help="blocks per batch in (b) (512; quick 8)")
     p.add_argument("--repeats", type=int, help="timed rounds in (a) and (b) (5; quick 2)")
     p.add_argument("--root-frac", type=float,
-                   help="fraction of the trace's prefix roots replayed in (c) (0.05; quick 1)")
+                   help="fraction of the trace's conversations replayed in (c) (0.05; quick 1)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="replay this many requests in (c) instead, whole conversations")
     p.add_argument("--device-frac", type=float, default=0.1,
                    help="device pool / unique blocks (at least twice the longest request)")
     p.add_argument("--host-frac", type=float, default=0.25, help="host tier / unique blocks")
@@ -388,7 +393,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--disk-dir", type=Path, default=None,
                    help="where (b) and the disk tiers of (c) write, in a fresh subdirectory "
                         "removed at the end (default: a fresh directory under /tmp)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prefix-root sample")
+    p.add_argument("--seed", type=int, default=0, help="seed of the conversation sample")
     args = p.parse_args(argv)
     for name, value in SIZES["quick" if args.quick else "full"].items():
         if getattr(args, name) is None:
@@ -397,6 +402,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                  "block_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.requests is not None and args.requests < 1:
+        p.error("--requests must be at least 1")
     for name in ("root_frac", "device_frac", "host_frac"):
         if not 0 < getattr(args, name) <= 1:
             p.error(f"--{name.replace('_', '-')} must be in (0, 1]")
@@ -447,17 +454,29 @@ def run_disk(model: ModelConfig, args: argparse.Namespace, directory: Path) -> D
             "disk_raw_is_direct": raw_direct}
 
 
+def sample_trace(rows: List[TraceRequest], args: argparse.Namespace) -> List[TraceRequest]:
+    if args.requests is not None:
+        return sample_conversations(rows, args.seed, num_requests=args.requests)
+    return sample_conversations(rows, args.seed, frac=args.root_frac)
+
+
+def sample_desc(args: argparse.Namespace) -> str:
+    if args.requests is not None:
+        return f"{args.requests} requests in whole conversations"
+    return f"a {args.root_frac:g} sample"
+
+
 def prepare_trace(rows: List[TraceRequest], model: ModelConfig,
                   args: argparse.Namespace) -> Tuple[List[TraceRequest], TierSizes, float]:
-    subset = fit_context(sample_roots(rows, args.root_frac, args.seed), args.max_output,
-                         args.block_size, model.max_position_embeddings)
+    subset = fit_context(sample_trace(rows, args), args.max_output, args.block_size,
+                         model.max_position_embeddings)
     sizes = tier_sizes(subset, args)
     plain, ideal = ideal_hit_rate(subset)
     num_blocks = sum(len(r.hash_ids) for r in subset)
     print(f"\n(c) trace replay: {args.trace}")
-    print(f"  subset: requests whose first hash id is in a {args.root_frac:g} sample (seed "
-          f"{args.seed}) of the {len({r.hash_ids[0] for r in rows})} prefix roots: "
-          f"{len(subset)} of {len(rows)} requests, {num_blocks} blocks, {sizes.unique} unique; "
+    print(f"  subset: {sample_desc(args)} (seed {args.seed}) of the "
+          f"{len(set(conversation_ids(rows)))} conversations: {len(subset)} of {len(rows)} "
+          f"requests, {num_blocks} blocks, {sizes.unique} unique; "
           f"ideal block hit rate {plain:.3f} ({ideal:.3f} leaving each prompt's last block)")
     print(f"  scaled: 1 hash id ({MOONCAKE_BLOCK_TOKENS} tokens in the trace) -> 1 block of "
           f"{args.block_size} seeded token ids (x{args.block_size / MOONCAKE_BLOCK_TOKENS:g}); "

@@ -5,7 +5,9 @@ benchmarks derive from a trace alone.
   a row (``2023-11-16 18:17:03.9799600,4808,10``). No token contents.
 * Mooncake JSONL: one request a line, ``{"timestamp": ms, "input_length", "output_length",
   "hash_ids": [...]}``, one hash id per 512-token prompt block; requests whose hash ids start alike
-  share that prompt prefix. ``BlockTokens`` turns hash ids into token ids that keep this sharing.
+  share that prompt prefix, and a request whose hash ids extend an earlier one's full blocks is
+  that request's next turn (`conversation_ids`). ``BlockTokens`` turns hash ids into token ids
+  that keep this sharing.
 
 Every reader raises ``TraceError`` naming the file, the line and what was expected there; a
 script prints it without a traceback.
@@ -168,12 +170,77 @@ def _is_number(value: object) -> bool:
 # ----- what a Mooncake trace's hash ids say -----
 
 
-def sample_roots(rows: Sequence[TraceRequest], frac: float, seed: int) -> List[TraceRequest]:
-    """The requests whose first hash id is in a seeded sample of ``frac`` of the distinct ones, in
-    trace order: whole prefix families, so the subset keeps the trace's reuse structure."""
-    roots = sorted({r.hash_ids[0] for r in rows})
-    kept = set(random.Random(seed).sample(roots, max(1, round(frac * len(roots)))))
-    return [r for r in rows if r.hash_ids[0] in kept]
+def conversation_ids(rows: Sequence[TraceRequest]) -> List[int]:
+    """Each row's conversation: the index of its conversation's first row.
+
+    A turn's full prompt blocks (``num_prompt_tokens // 512`` of its hash ids; its last, partial
+    block changes when the next turn appends to it) are its conversation's key. A row continues
+    the conversation whose key is the longest prefix of its hash ids; otherwise it starts one.
+    A key counts only if, across the trace, every full block that follows it is the same block:
+    a conversation goes on one way, while a shared system prompt or document is followed by the
+    different first blocks of many requests. So requests that only share leading blocks are
+    separate conversations, also when every request starts with the same block, and a turn whose
+    only full blocks are such a shared prefix starts a conversation that later turns cannot join.
+    Cost: O(total hash ids), in two passes."""
+    keys = [_prefix_keys(row.hash_ids) for row in rows]
+    next_blocks: Dict[int, set] = {}
+    for row, row_keys in zip(rows, keys):
+        for i in range(_num_full_blocks(row) - 1):
+            next_blocks.setdefault(row_keys[i], set()).add(row.hash_ids[i + 1])
+    by_key: Dict[int, int] = {}
+    ids: List[int] = []
+    for index, (row, row_keys) in enumerate(zip(rows, keys)):
+        parent = next((by_key[k] for k in reversed(row_keys) if k in by_key), index)
+        ids.append(parent)
+        num_full = _num_full_blocks(row)
+        if num_full and len(next_blocks.get(row_keys[num_full - 1], ())) <= 1:
+            by_key[row_keys[num_full - 1]] = parent
+    return ids
+
+
+def _num_full_blocks(row: TraceRequest) -> int:
+    return min(len(row.hash_ids), row.num_prompt_tokens // MOONCAKE_BLOCK_TOKENS)
+
+
+def _prefix_keys(hash_ids: Sequence[int]) -> List[int]:
+    """One int per prefix of ``hash_ids``, chained (equal prefixes, equal keys)."""
+    keys, key = [], 0
+    for h in hash_ids:
+        key = hash((key, h))
+        keys.append(key)
+    return keys
+
+
+def sample_conversations(rows: Sequence[TraceRequest], seed: int,
+                         num_requests: Optional[int] = None,
+                         frac: Optional[float] = None) -> List[TraceRequest]:
+    """A seeded subset of whole conversations (`conversation_ids`), in trace order.
+
+    ``frac``: that fraction of the conversations (at least one). ``num_requests``: exactly that
+    many requests (all of them if the trace has fewer): conversations in a seeded order, each
+    taken whole if it fits in the room left, else skipped; if room is left at the end, the first
+    turns of the first skipped conversation fill it (a conversation cut after a turn is still a
+    conversation: only later turns are missing). One of the two must be given."""
+    if (num_requests is None) == (frac is None):
+        raise ValueError("sample_conversations: give exactly one of num_requests and frac")
+    members: Dict[int, List[int]] = {}
+    for index, conversation in enumerate(conversation_ids(rows)):
+        members.setdefault(conversation, []).append(index)
+    order = sorted(members)
+    random.Random(seed).shuffle(order)
+    if frac is not None:
+        kept = [i for c in order[:max(1, round(frac * len(order)))] for i in members[c]]
+        return [rows[i] for i in sorted(kept)]
+    room = min(num_requests, len(rows))
+    kept, skipped = [], []
+    for conversation in order:
+        if len(members[conversation]) <= room - len(kept):
+            kept += members[conversation]
+        else:
+            skipped.append(conversation)
+    if len(kept) < room:
+        kept += members[skipped[0]][:room - len(kept)]
+    return [rows[i] for i in sorted(kept)]
 
 
 def ideal_hit_rate(rows: Iterable[TraceRequest]) -> Tuple[float, float]:

@@ -1,4 +1,5 @@
-"""The Serve application's configuration: router choice and validation."""
+"""The Serve application's configuration: router choice (and the baseline routers' token
+prefixes) and validation."""
 
 import pytest
 
@@ -14,8 +15,29 @@ def test_serve_config_router_choice():
     assert KVAwareRouter.__name__ in str(kv.request_router_class)
     pow2 = router_config(ServeConfig(engine=engine, router="pow2"))
     assert "PowerOfTwoChoices" in str(pow2.request_router_class)
-    with pytest.raises(ValueError, match="router must be 'kv' or 'pow2'"):
+    prefix = router_config(ServeConfig(engine=engine, router="prefix_affinity"))
+    assert "TokenPrefixAffinityRouter" in str(prefix.request_router_class)
+    round_robin = router_config(ServeConfig(engine=engine, router="round_robin"))
+    assert "RoundRobinRouter" in str(round_robin.request_router_class)
+    strict = router_config(ServeConfig(engine=engine, router="kv_strict"))
+    assert strict.request_router_kwargs == {"target_occupancy": 0.7, "load_weight": 0.0}
+    with pytest.raises(ValueError, match="router must be one of kv, kv_strict, pow2"):
         ServeConfig(engine=engine, router="random")
+
+
+def test_prefix_affinity_keys_on_token_ids():
+    from types import SimpleNamespace
+
+    from cluster.baseline_routers import TokenPrefixAffinityRouter, token_ids_as_text
+
+    a, b = token_ids_as_text([5, 0xD800, 70000]), token_ids_as_text([5, 0xD800, 9])
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert all(not 0xD800 <= ord(c) < 0xE000 for c in a)  # no lone surrogates
+    router = TokenPrefixAffinityRouter.__new__(TokenPrefixAffinityRouter)  # no Serve state
+    request = SimpleNamespace(args=({"prompt_token_ids": [5, 6]},), kwargs={})
+    assert router._extract_text_from_request(request) == token_ids_as_text([5, 6])
+    with pytest.raises(ValueError, match="prompt attribute"):
+        router._extract_text_from_request(SimpleNamespace(args=({"x": 1},), kwargs={}))
 
 
 def test_groups_flag():

@@ -226,6 +226,10 @@ def test_report_and_config_validation():
     config = kv_aware_router_config(stats_period_s=0.2)
     assert config.request_router_kwargs["target_occupancy"] == 0.70
     assert config.request_routing_stats_period_s == 0.2
+    assert config.request_router_kwargs["load_weight"] == 2.0
+    assert kv_aware_router_config(load_weight=0.0).request_router_kwargs["load_weight"] == 0.0
+    with pytest.raises(ValueError, match="must not be negative"):
+        kv_aware_router_config(prefix_weight=-1.0)
 
 
 _LOAD_COPY = """

@@ -1,4 +1,5 @@
-"""The pure placement policy: at, above and exactly on the target, ties, stale reports, bursts."""
+"""The pure placement policy: at, above and exactly on the target, ties, stale reports, bursts,
+and the weighted score (prefix and load) that orders the groups under target."""
 
 from __future__ import annotations
 
@@ -190,7 +191,25 @@ def test_sent_tokens_push_the_prefix_group_over_target_so_the_next_request_goes_
     assert ids(rank_groups(request, reported)) == ["b", "a"]
 
 
-def test_longest_cached_prefix_wins_among_under_target_groups():
+def test_without_a_load_weight_the_longest_cached_prefix_wins_under_target():
+    tokens = list(range(8 * BS))
+    hashes = extend_block_hashes([], tokens, BS)
+    loads = [
+        load("empty", 0),
+        load("two_blocks", 30, cached=hashes[:2]),
+        load("six_blocks", 50, cached=hashes[:6] + [12345]),
+    ]
+    placements = rank_groups(demand(len(tokens) + 64, hashes), loads, load_weight=0.0)
+    assert [(p.group_id, p.reason, p.cached_prefix_blocks) for p in placements] == [
+        ("six_blocks", R.UNDER_TARGET_PREFIX, 6),
+        ("two_blocks", R.UNDER_TARGET_PREFIX, 2),
+        ("empty", R.UNDER_TARGET, 0),
+    ]
+
+
+def test_weighted_score_trades_a_short_prefix_for_load():
+    # 12 blocks: occupancies 0.12, 0.42, 0.62 (the highest under target). Scores, 3 x prefix
+    # fraction + 2 x (1 - occupancy / 0.62): six 2.25 + 0, empty 0 + 1.61, two 0.75 + 0.65.
     tokens = list(range(8 * BS))
     hashes = extend_block_hashes([], tokens, BS)
     loads = [
@@ -201,9 +220,31 @@ def test_longest_cached_prefix_wins_among_under_target_groups():
     placements = rank_groups(demand(len(tokens) + 64, hashes), loads)
     assert [(p.group_id, p.reason, p.cached_prefix_blocks) for p in placements] == [
         ("six_blocks", R.UNDER_TARGET_PREFIX, 6),
-        ("two_blocks", R.UNDER_TARGET_PREFIX, 2),
         ("empty", R.UNDER_TARGET, 0),
+        ("two_blocks", R.UNDER_TARGET_PREFIX, 2),
     ]
+
+
+def test_a_shared_system_prompt_does_not_pull_every_request_to_one_group():
+    # Every prompt starts with the same 2 blocks; "warm" cached them with its first request and
+    # is busier (occupancy with the request 0.38 against 0.08). The strict order sends the next
+    # request there too; the score sends it to the idle group (3 x 2/8 = 0.75 against
+    # 2 x (1 - 0.08 / 0.38) = 1.58), but keeps a conversation's next turn (7 of 8 blocks
+    # cached: 2.63) where its prefix is.
+    system = list(range(2 * BS))
+    new_request = extend_block_hashes([], system + list(range(500, 500 + 6 * BS)), BS)
+    next_turn = extend_block_hashes([], system + list(range(900, 900 + 6 * BS)), BS)
+    warm = load("warm", 30, cached=new_request[:2] + next_turn[:7])
+    idle = load("idle", 0)
+    strict = rank_groups(demand(8 * BS, new_request), [warm, idle], load_weight=0.0)
+    assert ids(strict) == ["warm", "idle"]
+    assert ids(rank_groups(demand(8 * BS, new_request), [warm, idle])) == ["idle", "warm"]
+    assert ids(rank_groups(demand(8 * BS, next_turn), [warm, idle])) == ["warm", "idle"]
+
+
+def test_negative_weights_are_refused():
+    with pytest.raises(ValueError, match="must not be negative"):
+        rank_groups(demand(BS), [load("a", 0)], load_weight=-1.0)
 
 
 def test_prefix_does_not_lift_an_over_target_group_above_an_under_target_one():
@@ -324,12 +365,27 @@ def test_ranking_properties(scenario):
             assert (p.reason is R.UNDER_TARGET_PREFIX) == (p.cached_prefix_blocks > 0)
         else:
             assert p.cached_prefix_blocks is None
-    # Within a tier: longer prefix first (under target), then lower occupancy, then id.
+    # Within a tier: higher score first (under target), then lower occupancy, then id.
+    under = [p.projected_occupancy for p in placements if tiers[p.reason] == 0]
     keys = [
-        (tiers[p.reason], -(p.cached_prefix_blocks or 0), p.projected_occupancy, p.group_id)
+        (tiers[p.reason], _naive_score(p, request, max(under, default=0.0)),
+         p.projected_occupancy, p.group_id)
         for p in placements
     ]
+    assert keys == sorted(keys, key=lambda k: (k[0], round(k[1], 9), k[2], k[3]))
+    # Without a load weight: the strict order, longer prefix first.
+    strict = rank_groups(request, loads, TARGET, max_report_age_s=5.0, load_weight=0.0)
+    keys = [(tiers[p.reason], -(p.cached_prefix_blocks or 0), p.projected_occupancy,
+             p.group_id) for p in strict]
     assert keys == sorted(keys)
+
+
+def _naive_score(p: Placement, request: RequestDemand, highest: float) -> float:
+    """-(3 x prefix fraction + 2 x (1 - occupancy / highest)) for under-target groups."""
+    if p.cached_prefix_blocks is None:
+        return 0.0
+    prefix = p.cached_prefix_blocks / len(request.block_hashes) if request.block_hashes else 0
+    return -(3 * prefix + 2 * (1 - p.projected_occupancy / highest if highest else 1))
 
 
 @settings(max_examples=200, deadline=None)

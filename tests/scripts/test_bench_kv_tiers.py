@@ -78,3 +78,14 @@ def test_fit_context_caps_outputs_and_cuts_prompts(bench):
             bench.TraceRequest(1.0, 1024, 1, (1, 2))]
     fitted = bench.fit_context(rows, max_output=4, block_size=16, max_model_len=100)
     assert fitted == [bench.TraceRequest(0.0, 10240, 4, tuple(range(6))), rows[1]]
+
+
+def test_requests_flag_samples_whole_conversations_under_a_shared_root(bench):
+    # Every request starts with block 0 (a shared system prompt): 4 conversations of 2 turns.
+    rows = [bench.TraceRequest(float(i), 512 * len(h) - 100, 1, h) for i, h in enumerate(
+        [(0, 10 * c, 10 * c + 1) + (10 * c + 2,) * turn for turn in range(2) for c in range(4)])]
+    args = bench.parse_args(["--quick", "--requests", "4"])
+    subset = bench.sample_trace(rows, args)
+    assert len(subset) == 4
+    assert {r.hash_ids[1] for r in subset} == {r.hash_ids[1] for r in subset[:2]}  # 2 whole
+    assert len(bench.sample_trace(rows, bench.parse_args(["--quick"]))) == 8

@@ -1,6 +1,7 @@
-"""scripts/bench_serve.py: both routers end to end on a tiny checkpoint (slow, Ray), its errors on
-bad trace files, and its pure parts (scaling, shared Mooncake prefixes, /metrics). The trace
-readers' own tests are in test_traces.py."""
+"""scripts/bench_serve.py and its modules (serve_workload, serve_replay, serve_report): the four
+routers and the target sweep end to end on a tiny checkpoint (slow, Ray), its errors on bad trace
+files, and its pure parts (scaling, shared prefixes, KV sizing, --rate auto, /metrics, the JSON
+keys and targets). The trace readers' and sampler's own tests are in test_traces.py."""
 
 from __future__ import annotations
 
@@ -15,11 +16,16 @@ from bench_scripts import load_script, run_script, script_path
 SCRIPT = script_path("bench_serve")
 
 REQUIRED_KEYS = (
-    "ttft_p99_ms", "ttft_p99_ms_pow2", "ttft_p50_ms", "ttft_p50_ms_pow2", "itl_p99_ms",
-    "itl_p99_ms_pow2", "throughput_tok_s", "throughput_tok_s_pow2", "router_decision_us_p50",
-    "rank_groups_us_p50_64_groups", "num_ok", "num_ok_pow2", "num_failed", "num_failed_pow2",
-    "num_not_sent", "num_not_sent_pow2", "prompt_scale", "max_output", "num_requests", "wall_s",
-    "other_cpu_frac", "other_cpu_frac_pow2",
+    "ttft_p99_ms", "ttft_p99_ms_pow2", "ttft_p99_ms_prefix_affinity", "ttft_p99_ms_round_robin",
+    "ttft_p50_ms", "ttft_p50_ms_pow2", "itl_p99_ms", "itl_p99_ms_pow2", "throughput_tok_s",
+    "throughput_tok_s_pow2", "throughput_tok_s_prefix_affinity", "prefix_hit_rate",
+    "prefix_hit_rate_pow2", "prefix_hit_rate_prefix_affinity", "preemptions", "preemptions_pow2",
+    "preemptions_prefix_affinity", "kv_usage_peak_by_group", "kv_usage_mean_by_group_pow2",
+    "router_decision_us_p50", "rank_groups_us_p50_64_groups", "num_ok", "num_ok_pow2",
+    "num_failed", "num_failed_pow2", "num_not_sent", "num_not_sent_pow2", "prompt_scale",
+    "max_output", "num_requests", "wall_s", "other_cpu_frac", "other_cpu_frac_pow2", "load_avg",
+    "rate_req_s", "kv_blocks", "working_set_over_pool", "ttft_p99_met_pow2",
+    "ttft_p99_met_prefix_affinity",
 )
 
 
@@ -38,31 +44,56 @@ def write_azure(path: Path, rows) -> Path:
     return path
 
 
+def write_mooncake(path: Path, hash_lists, output_length: int = 3) -> Path:
+    path.write_text("".join(json.dumps({
+        "timestamp": 100 * i, "input_length": 512 * len(h) - 100, "output_length": output_length,
+        "hash_ids": h}) + "\n" for i, h in enumerate(hash_lists)))
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.timeout(600)
-def test_both_routers_print_sane_json_last(tmp_path, tiny_llama):
-    trace = write_azure(tmp_path / "trace.csv", [(800, 10), (40, 2), (1600, 3), (300, 30)])
-    proc = run_bench("--model", str(tiny_llama), "--trace", str(trace), "--num-requests", "4",
-                     "--rate", "20", "--kv-blocks", "64")
+@pytest.mark.timeout(420)
+def test_four_routers_end_to_end_print_sane_json_last(tmp_path, tiny_llama):
+    # 3 conversations of 2 turns and 2 single requests; prompts / 64: 8 tokens a hash block
+    trace = write_mooncake(tmp_path / "trace.jsonl", [
+        [1, 2], [3, 4, 5], [1, 2, 6], [7, 8], [3, 4, 5, 9], [10], [7, 8, 11], [12, 13]])
+    proc = run_bench("--model", str(tiny_llama), "--trace", str(trace), "--requests", "6",
+                     "--rate", "20", "--system-prompt-blocks", "2", "--block-size", "4",
+                     "--max-output", "3", "--drain-timeout-s", "60", timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = proc.stdout.strip().splitlines()
-    result = json.loads(lines[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(REQUIRED_KEYS) <= set(result), set(REQUIRED_KEYS) - set(result)
-    assert "kv-aware" in proc.stdout and "scaling: prompts / 16" in proc.stdout
-    for suffix in ("", "_pow2"):
-        assert result["num_ok" + suffix] == 4 and result["num_failed" + suffix] == 0
-        assert result["num_not_sent" + suffix] == 0
-        # 10 + 2 + 3 + 30 tokens, capped at 32 each: every request generated all of its own
-        assert result["output_tokens" + suffix] == 45
+    assert "kv-aware" in proc.stdout and "prefix affinity" in proc.stdout
+    for suffix in ("", "_pow2", "_prefix_affinity", "_round_robin"):
+        assert result["num_ok" + suffix] == 6 and result["num_failed" + suffix] == 0
+        assert result["output_tokens" + suffix] == 18  # 3 tokens each, every request
         assert result["throughput_tok_s" + suffix] > 0
         assert 0 < result["ttft_p50_ms" + suffix] <= result["ttft_p99_ms" + suffix] < 60_000
-        assert 0 < result["itl_p99_ms" + suffix] < 60_000
+        assert 0 <= result["prefix_hit_rate" + suffix] <= 1
+        assert len(result["kv_usage_mean_by_group" + suffix]) == 2
+    assert result["num_requests"] == 6 and 3 <= result["num_conversations"] <= 4
     assert result["router_decision_source"].startswith("live")
-    assert sum(result["router_decisions_by_reason"].values()) == 4
-    assert result["num_router_decisions"] == 4
+    assert result["num_router_decisions"] == 6
     assert 0 < result["router_decision_us_p50"] < 100_000
-    assert result["model"] == "llama" and result["prompt_scale"] == 16
+    assert result["rate_req_s"] == 20 and result["model"] == "llama"
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(420)
+def test_rate_auto_and_a_target_sweep_with_its_plot(tmp_path, tiny_llama):
+    trace = write_mooncake(tmp_path / "trace.jsonl", [[1, 2], [3, 4, 5], [1, 2, 6], [7, 8]])
+    plot = tmp_path / "sweep.png"
+    proc = run_bench("--model", str(tiny_llama), "--trace", str(trace), "--requests", "4",
+                     "--block-size", "4", "--max-output", "2", "--target", "0.5,0.9",
+                     "--calibration-requests", "4", "--plot-out", str(plot), timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["sweep_targets"] == [0.5, 0.9] and len(result["ttft_p99_ms_by_target"]) == 2
+    assert result["rate_req_s"] == pytest.approx(0.9 * result["sustained_req_s"], rel=0.01)
+    assert "--rate auto: the groups sustained" in proc.stdout
+    assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("content, expected", [
@@ -134,8 +165,12 @@ def test_summary_counts_failures_and_percentiles(bench):
     run = bench.RunResult("kv", [ok, failed, bench.RequestResult(3)], num_not_sent=1, start=0.0,
                           group_counters={"a": {"prefix_cache_queries": 30.0},
                                           "b": {"prefix_cache_queries": 10.0,
-                                                "prefix_cache_hits": 10.0}})
+                                                "prefix_cache_hits": 10.0}},
+                          kv_usage_peak={"a": 0.9, "b": 0.5}, kv_usage_sum={"a": 1.2, "b": 0.9},
+                          kv_usage_samples={"a": 2, "b": 3})
     summary = bench.summarize(run)
+    assert summary["kv_usage_peak_by_group"] == [0.5, 0.9]  # lowest peak first
+    assert summary["kv_usage_mean_by_group"] == [0.3, 0.6] and summary["kv_usage_peak"] == 0.9
     assert summary["prefill_tokens_by_group"] == [10, 30] and summary["prefix_hit_rate"] == 0.25
     assert summary["num_ok"] == 1 and summary["num_failed"] == 1 and summary["num_sent"] == 2
     assert summary["failures"] == {"APIError": 1} and summary["num_not_sent"] == 1
@@ -154,3 +189,94 @@ def test_cpu_of_other_processes_is_a_fraction_of_the_machine(bench, monkeypatch)
     assert bench.other_cpu_frac(None, (12.0, 103.0, 6.0)) is None
     snapshot = bench.cpu_snapshot()
     assert snapshot is None or (snapshot[1] > 0 and snapshot[2] >= 0)
+
+
+def test_a_shared_system_prompt_goes_in_front_of_every_prompt(bench):
+    rows = [bench.TraceRequest(0.0, 700, 3, (7, 8)), bench.TraceRequest(1.0, 512, 2, (9,))]
+    with_prompt = bench.with_system_prompt(rows, 2)
+    assert [r.hash_ids for r in with_prompt] == [(-1, -2, 7, 8), (-1, -2, 9)]
+    assert [r.num_prompt_tokens for r in with_prompt] == [1724, 1536]
+    assert bench.with_system_prompt(rows, 0) == rows
+
+
+def test_working_set_counts_shared_full_blocks_once(bench):
+    reqs = [bench.BenchRequest([1, 2, 3, 4, 5], 3, 0.0), bench.BenchRequest([1, 2, 3, 4], 4, 0.0),
+            bench.BenchRequest([9, 2, 3, 4, 5], 1, 0.0)]
+    # block size 2: full blocks (1,2) (3,4) shared by the first two, (9,2) (3,4) apart (another
+    # prefix); own blocks: ceil((1+3)/2) = 2, ceil((0+4)/2) = 2, ceil((1+1)/2) = 1
+    assert bench.working_set_blocks(reqs, 2) == 4 + 5
+    assert bench.longest_request_blocks(reqs, 2) == 4
+
+
+def test_auto_kv_blocks_puts_the_working_set_over_the_pool(bench):
+    assert bench.auto_kv_blocks(1000, 100, 2.0) == (500, "working set 1000 blocks / 2")
+    blocks, why = bench.auto_kv_blocks(1000, 300, 2.0)
+    assert blocks == 600 and "2 x the longest request" in why
+
+
+def test_rate_auto_is_the_load_times_the_sustained_rate(bench):
+    assert bench.sustained_rate(30, 12.0) == 2.5
+    assert bench.poisson_rate(2.5, 0.9) == pytest.approx(2.25)
+    with pytest.raises(ValueError, match="positive duration"):
+        bench.sustained_rate(30, 0.0)
+    with pytest.raises(ValueError, match="--load"):
+        bench.poisson_rate(2.5, 0.0)
+    reqs = [bench.BenchRequest([i], 1, float(i)) for i in range(10)]
+    sample = bench.calibration_sample(reqs, 4)
+    assert [r.prompt_ids for r in sample] == [[0], [2], [5], [7]]
+    assert all(r.arrival_s == 0.0 for r in sample)
+    timed = bench.with_rate(reqs, 5.0, seed=0)
+    assert [r.prompt_ids for r in timed] == [r.prompt_ids for r in reqs]
+    assert timed[0].arrival_s == 0.0 and 0.5 < timed[-1].arrival_s < 5.0  # 9 gaps of 0.2 s
+
+
+def test_rate_and_sizes_take_auto_or_a_number(bench):
+    args = bench.parse_args([])
+    assert args.rate is None and args.kv_blocks is None and args.targets == [0.7]
+    assert args.routers == ["kv", "pow2", "prefix_affinity", "round_robin"]
+    args = bench.parse_args(["--rate", "1.5", "--kv-blocks", "300", "--target", "0.5,0.9",
+                             "--requests", "40"])
+    assert (args.rate, args.kv_blocks, args.targets) == (1.5, 300, [0.5, 0.9])
+    assert args.calibration_requests == 10
+    for bad in (["--rate", "fast"], ["--routers", "kv,random"], ["--target", "1.5"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def fake_summary(ttft_p99, throughput, hit_rate, preemptions):
+    return {"ttft_p99_ms": ttft_p99, "throughput_tok_s": throughput,
+            "prefix_hit_rate": hit_rate, "preemptions": preemptions}
+
+
+def test_json_keys_and_targets(bench):
+    summary = {"kv": fake_summary(700.0, 30.0, 0.5, 0),
+               "pow2": fake_summary(1000.0, 29.0, 0.3, 4),
+               "prefix_affinity": fake_summary(690.0, 30.0, 0.5, 1),
+               "round_robin": fake_summary(1200.0, 28.0, 0.2, 6)}
+    checks = bench.target_checks(summary)
+    assert checks["ttft_p99_met_pow2"] and checks["throughput_met_pow2"]
+    assert checks["prefix_hit_rate_met_pow2"] and checks["preemptions_met_pow2"]
+    assert checks["ttft_p99_met_prefix_affinity"] is False  # 700 > 690
+    assert checks["preemptions_met_prefix_affinity"] is True
+    summary["pow2"]["ttft_p99_ms"] = 850.0  # 700 / 850 = 0.82: not 20% lower
+    assert bench.target_checks(summary)["ttft_p99_met_pow2"] is False
+    assert bench.target_checks({"kv": summary["kv"]})["ttft_p99_met_pow2"] is None
+    out = bench.flat_json(summary, {"router": {"router_decision_us_p50": 40.0}, "groups": 2})
+    for key in ("ttft_p99_ms", "ttft_p99_ms_pow2", "ttft_p99_ms_prefix_affinity",
+                "throughput_tok_s", "throughput_tok_s_pow2", "prefix_hit_rate",
+                "prefix_hit_rate_pow2", "preemptions", "preemptions_pow2",
+                "router_decision_us_p50", "preemptions_round_robin", "groups"):
+        assert key in out, key
+    assert out["ttft_p99_ms_prefix_affinity"] == 690.0 and out["preemptions_pow2"] == 4
+
+
+def test_sweep_json_and_plot(bench, tmp_path):
+    summaries = [{"ttft_p50_ms": 1.0, "ttft_p99_ms": 9.0 - t, "itl_p99_ms": 2.0,
+                  "throughput_tok_s": 10.0 + t, "prefix_hit_rate": 0.5, "preemptions": 0,
+                  "kv_usage_peak": 0.7, "num_failed": 0, "load_avg": [1.0, 2.0]}
+                 for t in range(3)]
+    out = bench.sweep_json([0.5, 0.7, 0.9], summaries)
+    assert out["ttft_p99_ms_by_target"] == [9.0, 8.0, 7.0]
+    assert out["throughput_tok_s_by_target"] == [10.0, 11.0, 12.0]
+    bench.plot_sweep([0.5, 0.7, 0.9], summaries, str(tmp_path / "p.png"), "title")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

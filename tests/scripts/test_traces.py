@@ -1,6 +1,6 @@
 """scripts/traces.py: the Azure CSV and Mooncake JSONL readers (their errors name the file and the
-line), format detection, and what the benchmarks derive from hash ids (prefix-root subsets, the
-ideal hit rate, token blocks)."""
+line), format detection, and what the benchmarks derive from hash ids (conversations and their
+sampling, the ideal hit rate, token blocks)."""
 
 from __future__ import annotations
 
@@ -110,13 +110,60 @@ def test_readers_take_the_first_rows_and_leave_the_rest_unread(traces, tmp_path)
 # ----- hash ids -----
 
 
-def test_sample_roots_keeps_whole_prefix_families_in_order(traces):
+def turn(traces, hash_ids, partial: bool = True):
+    """A request over ``hash_ids`` whose last block is partial (as a conversation turn's is)."""
+    return traces.TraceRequest(0.0, 512 * len(hash_ids) - (100 if partial else 0), 1,
+                               tuple(hash_ids))
+
+
+def shared_root_trace(traces):
+    """Every request starts with block 0 (a shared system prompt); three conversations of
+    3, 2 and 1 turns, interleaved; each turn extends the previous one's full blocks."""
+    return [turn(traces, h) for h in [
+        (0, 10, 11), (0, 20, 21), (0, 10, 11, 12), (0, 30), (0, 20, 21, 22, 23),
+        (0, 10, 11, 12, 13, 14)]]
+
+
+def test_conversations_chain_by_full_blocks_not_by_a_shared_root(traces):
+    rows = shared_root_trace(traces)
+    assert traces.conversation_ids(rows) == [0, 1, 0, 3, 1, 0]
+    # A turn's partial last block is not part of the next turn's prefix ...
+    partial = [turn(traces, (5, 6)), turn(traces, (5, 7, 8))]
+    assert traces.conversation_ids(partial) == [0, 0]
+    # ... but a full one is: only a request that extends every full block continues it.
+    full = [turn(traces, (5, 6), partial=False), turn(traces, (5, 7, 8))]
+    assert traces.conversation_ids(full) == [0, 1]
+
+
+def test_sample_keeps_whole_conversations_and_respects_n(traces):
+    rows = shared_root_trace(traces)
+    ids = traces.conversation_ids(rows)
+    for seed in range(6):
+        for n in (1, 2, 3, 4, 5, 6):
+            subset = traces.sample_conversations(rows, seed, num_requests=n)
+            assert len(subset) == n
+            kept = [i for i, r in enumerate(rows) if r in subset]
+            assert subset == [rows[i] for i in kept]  # trace order
+            whole = [c for c in set(ids[i] for i in kept)
+                     if ids.count(c) == sum(ids[i] == c for i in kept)]
+            assert len(set(ids[i] for i in kept)) - len(whole) <= 1  # at most one cut short
+            for i in kept:  # a cut conversation lost only later turns
+                assert all(j in kept for j in range(i) if ids[j] == ids[i])
+    # sizes 3, 2, 1: 3 requests fit whole conversations in every order
+    for seed in range(6):
+        subset = traces.sample_conversations(rows, seed, num_requests=3)
+        kept_ids = [ids[rows.index(r)] for r in subset]
+        assert all(kept_ids.count(c) == ids.count(c) for c in kept_ids)
+    assert traces.sample_conversations(rows, 0, num_requests=100) == rows
+
+
+def test_sample_by_fraction_of_conversations(traces):
     rows = [request(traces, (root, 100 + i)) for i, root in enumerate([1, 2, 1, 3, 2, 1])]
-    subset = traces.sample_roots(rows, 0.5, seed=0)
-    roots = {r.hash_ids[0] for r in subset}
-    assert len(roots) == 2
-    assert subset == [r for r in rows if r.hash_ids[0] in roots]
-    assert traces.sample_roots(rows, 1.0, seed=0) == rows
+    assert len(set(traces.conversation_ids(rows))) == 6  # full single blocks: none extends
+    assert len(traces.sample_conversations(rows, 0, frac=0.5)) == 3
+    assert traces.sample_conversations(rows, 0, frac=1.0) == rows
+    with pytest.raises(ValueError, match="exactly one"):
+        traces.sample_conversations(rows, 0)
 
 
 def test_ideal_hit_rate_counts_whole_prefixes(traces):

@@ -1,0 +1,230 @@
+"""The serving benchmark's figures: a run's summary, the per-router table, the targets, the flat
+JSON line, and the occupancy-target sweep's table and plot."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from serve_replay import RunResult
+
+ROUTER_LABELS = {"kv": "kv-aware", "kv_strict": "kv strict order",
+                 "pow2": "pow2 (default)",
+                 "prefix_affinity": "prefix affinity", "round_robin": "round robin"}
+TTFT_P99_TARGET_RATIO = 0.8  # TTFT p99 at least 20% below power of two
+
+
+def json_suffix(router: str) -> str:
+    """The KV-aware router's figures carry no suffix; the others ``_<router>``."""
+    return "" if router == "kv" else f"_{router}"
+
+
+# ----- statistics -----
+
+
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    import numpy
+
+    return float(numpy.percentile(values, q))
+
+
+def _ms(value: Optional[float]) -> Optional[float]:
+    return None if value is None else round(value * 1000, 1)
+
+
+def summarize(run: RunResult) -> Dict[str, Any]:
+    ok = [r for r in run.results if r.is_ok]
+    sent = [r for r in run.results if r.sent_at is not None]
+    failures: Dict[str, int] = {}
+    for r in sent:
+        if not r.is_ok:
+            failures[r.error] = failures.get(r.error, 0) + 1
+    ends = [r.ended_at for r in sent if r.ended_at is not None]
+    window = (max(ends) - run.start) if ends else 0.0
+    out_tokens = sum(r.num_output_tokens or r.num_streamed_tokens for r in ok)
+    ttft = [r.ttft_s for r in ok]
+    itl = [gap for r in ok for gap in r.itl_s]
+    e2e = [r.e2e_s for r in ok]
+    return {
+        "num_sent": len(sent), "num_ok": len(ok), "num_failed": len(sent) - len(ok),
+        "num_not_sent": run.num_not_sent, "failures": failures,
+        "duration_s": round(window, 2), "output_tokens": out_tokens,
+        "throughput_tok_s": round(out_tokens / window, 2) if window else 0.0,
+        "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        "itl_p50_ms": _ms(percentile(itl, 50)), "itl_p99_ms": _ms(percentile(itl, 99)),
+        "e2e_p50_ms": _ms(percentile(e2e, 50)), "e2e_p99_ms": _ms(percentile(e2e, 99)),
+        **group_figures(run),
+        "other_cpu_frac": run.other_cpu_frac, "load_avg": run.load_avg,
+    }
+
+
+def group_figures(run: RunResult) -> Dict[str, Any]:
+    """KV usage (peak and mean per group), preemptions and prefix hits from the groups' metrics.
+    Groups are listed in the order of their peak usage, lowest first."""
+    def total(name: str) -> float:
+        return sum(c.get(name, 0.0) for c in run.group_counters.values())
+
+    groups = sorted(run.kv_usage_peak, key=run.kv_usage_peak.__getitem__)
+    means = [run.kv_usage_sum[g] / run.kv_usage_samples[g] for g in groups]
+    queries = total("prefix_cache_queries")  # prompt tokens looked up: each prefill, per group
+    return {
+        "kv_usage_peak": round(max(run.kv_usage_peak.values(), default=0.0), 3),
+        "kv_usage_peak_by_group": [round(run.kv_usage_peak[g], 3) for g in groups],
+        "kv_usage_mean_by_group": [round(m, 3) for m in means],
+        "prefill_tokens_by_group": sorted(int(c.get("prefix_cache_queries", 0))
+                                          for c in run.group_counters.values()),
+        "preemptions": int(total("num_preemptions")),
+        "prefix_hit_rate": round(total("prefix_cache_hits") / queries, 3) if queries else None,
+    }
+
+
+# ----- targets -----
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def target_checks(summary: Dict[str, Dict[str, Any]]) -> Dict[str, Optional[bool]]:
+    """The KV-aware router against power of two (TTFT p99 at least 20% lower, throughput not
+    lower, a higher prefix hit rate, fewer preemptions) and against prefix affinity (no worse
+    on any of the four). None: a router or a figure is missing."""
+    kv = summary.get("kv")
+    checks: Dict[str, Optional[bool]] = {}
+    for other, ttft_ratio in (("pow2", TTFT_P99_TARGET_RATIO), ("prefix_affinity", 1.0)):
+        s = summary.get(other)
+        suffix = json_suffix(other)
+        checks["ttft_p99_met" + suffix] = _holds(kv, s, "ttft_p99_ms",
+                                                 lambda a, b: a <= ttft_ratio * b)
+        checks["throughput_met" + suffix] = _holds(kv, s, "throughput_tok_s",
+                                                   lambda a, b: a >= b)
+        checks["prefix_hit_rate_met" + suffix] = _holds(
+            kv, s, "prefix_hit_rate", (lambda a, b: a > b) if other == "pow2"
+            else (lambda a, b: a >= b))
+        checks["preemptions_met" + suffix] = _holds(
+            kv, s, "preemptions", (lambda a, b: a < b or a == b == 0) if other == "pow2"
+            else (lambda a, b: a <= b))
+    return checks
+
+
+def _holds(kv: Optional[Dict], other: Optional[Dict], key: str, test) -> Optional[bool]:
+    if kv is None or other is None or kv.get(key) is None or other.get(key) is None:
+        return None
+    return bool(test(kv[key], other[key]))
+
+
+# ----- printing -----
+
+
+ROWS = [("requests ok / failed / not sent", "num_ok", "num_failed", "num_not_sent"),
+        ("throughput (output tok/s)", "throughput_tok_s"),
+        ("duration (s)", "duration_s"),
+        ("TTFT p50 / p99 (ms)", "ttft_p50_ms", "ttft_p99_ms"),
+        ("ITL p50 / p99 (ms)", "itl_p50_ms", "itl_p99_ms"),
+        ("e2e p50 / p99 (ms)", "e2e_p50_ms", "e2e_p99_ms"),
+        ("KV usage peak by group", "kv_usage_peak_by_group"),
+        ("KV usage mean by group", "kv_usage_mean_by_group"),
+        ("prefill tokens by group", "prefill_tokens_by_group"),
+        ("preemptions", "preemptions"),
+        ("prefix-cache hit rate", "prefix_hit_rate"),
+        ("load average (1 min) start / end", "load_avg"),
+        ("CPU used by other processes", "other_cpu_frac")]
+
+
+def print_table(columns: Dict[str, Dict[str, Any]]) -> None:
+    """One column per run (its label -> its summary), one row per figure."""
+    print(f"{'':34}" + "".join(f"{label:>22}" for label in columns))
+    for label, *keys in ROWS:
+        cells = [" / ".join(_cell(s.get(k)) for k in keys) for s in columns.values()]
+        print(f"{label:34}" + "".join(f"{cell:>22}" for cell in cells))
+    for label, s in columns.items():
+        if s["failures"]:
+            print(f"failed requests ({label}) by kind: {s['failures']}")
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, list):
+        return " / ".join(str(v) for v in value)
+    return "-" if value is None else str(value)
+
+
+def print_header(meta: Dict[str, Any]) -> None:
+    print(f"\ntrace {meta['trace']} ({meta['trace_format']}): {meta['num_requests']} requests "
+          f"in {meta['num_conversations']} whole conversations (seed {meta['seed']}), "
+          f"{meta['system_prompt_blocks']} shared system-prompt blocks; {meta['arrival_desc']}")
+    if meta.get("sustained_req_s") is not None:
+        print(f"--rate auto: the groups sustained {meta['sustained_req_s']} req/s "
+              f"({meta['calibration_requests']} requests all at once, pow2, "
+              f"{meta['calibration_s']} s); Poisson rate = {meta['load']} x that = "
+              f"{meta['rate_req_s']} req/s")
+    print(f"scaling: prompts / {meta['prompt_scale']}, outputs capped at {meta['max_output']}; "
+          f"{meta['workload_prompt_tokens']} prompt and {meta['workload_output_tokens']} output "
+          f"tokens in all")
+    print(f"model {meta['model']} ({meta['dtype']}), {meta['groups']} groups x TP {meta['tp']}, "
+          f"KV pool {meta['kv_blocks']} blocks x {meta['block_size']} tokens per group "
+          f"({meta['kv_blocks_why']}); working set {meta['working_set_blocks']} blocks = "
+          f"{meta['working_set_over_pool']} x one group's pool\n")
+
+
+def print_router_lines(meta: Dict[str, Any], checks: Dict[str, Optional[bool]]) -> None:
+    r = meta["router"]
+    print(f"\nrouter decision time: p50 {r['router_decision_us_p50']} us, p99 "
+          f"{r['router_decision_us_p99']} us over {r['num_router_decisions']} live decisions "
+          f"({r['router_decision_source']}); reasons {r['router_decisions_by_reason']}")
+    print(f"rank_groups alone (this process): p50 {r['rank_groups_us_p50_2_groups']} us with 2 "
+          f"groups, {r['rank_groups_us_p50_64_groups']} us with 64 (target: under 50 us)")
+    if checks:
+        print("targets (kv-aware vs pow2: TTFT p99 <= 0.8x, throughput >=, hit rate >, fewer "
+              "preemptions; vs prefix affinity: no worse): "
+              + ", ".join(f"{k} {'-' if v is None else ('yes' if v else 'NO')}"
+                          for k, v in checks.items()))
+
+
+def flat_json(summary: Dict[str, Dict[str, Any]], meta: Dict[str, Any]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for router, figures in summary.items():
+        for key, value in figures.items():
+            out[key + json_suffix(router)] = value
+    out.update(meta["router"])
+    out.update({k: v for k, v in meta.items() if k != "router"})
+    return out
+
+
+# ----- the occupancy-target sweep -----
+
+
+def print_sweep(targets: Sequence[float], summaries: List[Dict[str, Any]]) -> None:
+    print_table({f"target {t:g}": s for t, s in zip(targets, summaries)})
+
+
+def sweep_json(targets: Sequence[float], summaries: List[Dict[str, Any]]) -> Dict[str, Any]:
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms", "throughput_tok_s", "prefix_hit_rate",
+            "preemptions", "kv_usage_peak", "num_failed", "load_avg")
+    out: Dict[str, Any] = {"sweep_targets": list(targets)}
+    for key in keys:
+        out[f"{key}_by_target"] = [s[key] for s in summaries]
+    return out
+
+
+def plot_sweep(targets: Sequence[float], summaries: List[Dict[str, Any]], path: str,
+               title: str) -> None:
+    """TTFT p99 and throughput against the occupancy target, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, left = plt.subplots(figsize=(6.4, 4.0))
+    left.plot(targets, [s["ttft_p99_ms"] for s in summaries], "o-", color="tab:red")
+    left.set_xlabel("KV occupancy target")
+    left.set_ylabel("TTFT p99 (ms)", color="tab:red")
+    right = left.twinx()
+    right.plot(targets, [s["throughput_tok_s"] for s in summaries], "s--", color="tab:blue")
+    right.set_ylabel("throughput (output tok/s)", color="tab:blue")
+    left.set_ylim(bottom=0)
+    right.set_ylim(bottom=0)  # from zero: a flat line must look flat
+    left.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
