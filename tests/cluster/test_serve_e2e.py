@@ -154,14 +154,19 @@ def test_status_json_against_the_local_serve(client):
     repo = Path(__file__).resolve().parents[2]
     address = ray.get_runtime_context().gcs_address
     deadline = time.monotonic() + 30
-    while True:  # the group describes its ranks with its first metrics push (every second)
+    # The group describes its ranks with its first metrics push (every second), and a push
+    # taken during the previous test's last request still counts it running: wait for an idle
+    # report.
+    while True:
         done = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--address",
                                address, "--json"], cwd=repo, capture_output=True, text=True,
                               timeout=120, env={**os.environ, "RAY_AUTH_MODE": "token",
                                                 "PYTHONPATH": str(repo)})
         assert done.returncode == 0, done.stderr[-2000:]
         data = json.loads(done.stdout)
-        if data["groups"] and data["groups"][0]["ranks"] or time.monotonic() > deadline:
+        idle = data["groups"] and data["groups"][0]["ranks"] and \
+            data["groups"][0]["running"] == 0 and data["groups"][0]["waiting"] == 0
+        if idle or time.monotonic() > deadline:
             break
         time.sleep(1)
     assert data["placement"] == "serve" and data["plan"] is None
