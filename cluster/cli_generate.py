@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import List, Union
 
+from kv.write_policy import WRITE_POLICIES
 from workers.config import EngineConfig
 from workers.sampling_params import SamplingParams
 
@@ -57,6 +58,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     tiers.add_argument("--kv-pin-threshold", type=float, default=0.9,
                        help="hotness: blocks above this are held on the device "
                             "(evicted only as a last resort; a copy is kept on host)")
+    tiers.add_argument("--kv-write-policy", default="write_through", choices=WRITE_POLICIES,
+                       help="when a block goes down a tier: write_through (when released), "
+                            "write_through_selective (when released, once hit "
+                            "--kv-write-threshold times), write_back (when evicted above)")
+    tiers.add_argument("--kv-write-threshold", type=int, default=1,
+                       help="write_through_selective: prefix hits a block needs to go down")
+    tiers.add_argument("--kv-spill-gbps", type=float, default=None,
+                       help="bound on write-through spill bandwidth per rank in GB/s (default: "
+                            "none); spills queue behind it and are dropped if evicted first")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -73,6 +83,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         disk_kv_dir=args.disk_kv_dir, disk_kv_gb=args.disk_kv_gb,
         disk_kv_blocks=args.disk_kv_blocks, kv_eviction=args.kv_eviction,
         kv_hotness_decay=args.kv_hotness_decay, kv_pin_threshold=args.kv_pin_threshold,
+        kv_write_policy=args.kv_write_policy, kv_write_threshold=args.kv_write_threshold,
+        kv_spill_gbps=args.kv_spill_gbps,
     )
 
 

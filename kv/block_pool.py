@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from kv.eviction import EvictionPolicy, LRUPolicy
 from kv.prefix_hash import BlockHash
@@ -61,6 +61,9 @@ class BlockPool:
         self._cached: "OrderedDict[BlockHash, Block]" = OrderedDict()
         self.num_evicted = 0
         self.num_held_evicted = 0  # hot (held) cached blocks, evicted as a last resort
+        # Called with a cached block about to be reused, before it loses its hash (the tiers
+        # below hook write-back here).
+        self.on_evict: Optional[Callable[[Block], None]] = None
 
     @property
     def num_blocks(self) -> int:
@@ -147,7 +150,10 @@ class BlockPool:
         if self.policy.is_held(block_hash):
             self.num_held_evicted += 1
         self.policy.remove(block_hash)
-        block = self._cached.pop(block_hash)
+        block = self._cached[block_hash]
+        if self.on_evict is not None:
+            self.on_evict(block)  # still holds its hash and tokens
+        del self._cached[block_hash]
         block.block_hash = None
         block.token_ids = ()
         self.num_evicted += 1

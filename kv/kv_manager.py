@@ -107,6 +107,8 @@ class KVCacheManager:
             self.pool.policy.record_access(block_hash)
             if self.tiers is not None:
                 self.tiers.record_access(block_hash)
+        if self.tiers is not None:
+            self.tiers.record_hits(block_hashes[:num_hit_tokens // self.block_size])
 
     def num_blocks_needed(self, key: Hashable, num_tokens: int, prefix: CachedPrefix) -> int:
         """Blocks to allocate so ``key`` holds ``num_tokens`` tokens, given its cached prefix."""
@@ -187,7 +189,7 @@ class KVCacheManager:
     def _release(self, blocks: List[Block]) -> None:
         released = self.pool.free(blocks)
         if self.tiers is not None:
-            self.tiers.write_through(released)
+            self.tiers.on_release(released)
 
     def blocks(self, key: Hashable) -> List[Block]:
         """``key``'s table; after ``free_leading_blocks`` its first entries are stale."""

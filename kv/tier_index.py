@@ -77,9 +77,18 @@ class TierIndex:
     def remove(self, block_hash: BlockHash) -> TierEntry:
         """Drop an entry and free its slot."""
         entry = self.entries.pop(block_hash)
-        self.policy.remove(block_hash)
+        self.policy.discard(block_hash)  # absent while held
         heapq.heappush(self._free_slots, entry.slot)
         return entry
+
+    def hold(self, block_hash: BlockHash) -> None:
+        """Make an entry unevictable until ``unhold`` (a restore is about to read it)."""
+        if block_hash in self.policy:
+            self.policy.remove(block_hash)
+
+    def unhold(self, block_hash: BlockHash) -> None:
+        if block_hash in self.entries and block_hash not in self.policy:
+            self.policy.insert(block_hash)
 
     def discard_slot(self, block_hash: BlockHash, slot: int) -> bool:
         """Drop ``block_hash`` if it still sits in ``slot`` (a failed op's entry); True if dropped."""

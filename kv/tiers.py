@@ -6,14 +6,17 @@
          ^                  |    ^                    |
          +----Restore-------+    +------ReadDisk------+
 
-- Write-through on release: when the last request using a full, hashed device block lets go of
-  it, the block is copied to the host tier (unless already there), so evicting it from the device
-  later costs nothing. Hot blocks too: the device holds them, but still evicts them as a last
-  resort. A spill takes no reference on its block: when a step's model would write a block a
-  spill may still be reading (``is_being_read``), every rank first waits for the device side of
-  its queued spills.
+- When a block goes down is the write policy's choice (``kv/write_policy.py``): on release
+  (write-through: every full, hashed block its last request lets go of; selective: only blocks hit
+  ``write_threshold`` times), issued through a ``SpillPacer``: at once without a bandwidth
+  bound, else as the bound allows (at release and at each ``take_ops``; a queued block the pool
+  evicts first is dropped); or on eviction (write-back: when the device pool reuses it). Hot blocks
+  too: the device holds them, but still evicts them as a last resort. A spill takes no reference
+  on its block: when a step's model would write a block a spill may still be reading
+  (``is_being_read``), every rank first waits for the device side of its queued spills.
 - The host tier makes room by evicting its policy's victim; a victim not yet on disk is written
-  there first (inclusive hierarchy: a block read back from disk keeps its disk copy).
+  there first (inclusive hierarchy: a block read back from disk keeps its disk copy), unless the
+  selective policy finds it hit fewer than ``write_threshold`` times.
 - A prefix that misses on the device and hits below is restored: disk blocks are read into host
   slots, host blocks copied into fresh device blocks. The request waits (``RestoreChain``) while
   the others run; it uses the restored blocks up to the first one whose checksum failed.
@@ -35,6 +38,7 @@ from kv.tier_index import TierEntry, TierIndex
 from kv.tier_ops import (OpStatus, ReadDisk, Restore, SaveIndex, Spill, TierOp, TierOpResults,
                          WriteDisk)
 from kv.types import BlockId
+from kv.write_policy import HitCounter, SpillPacer, check_write_policy
 
 
 @dataclass(frozen=True)
@@ -103,17 +107,28 @@ class TierStats:
     num_swapped_out: int = 0  # preempted requests' partial blocks kept on host
     num_swapped_in: int = 0  # of which copied back when their request resumed
     num_spills_skipped: int = 0  # write-throughs dropped: every host slot was private
+    num_written_back: int = 0  # device blocks spilled when evicted (write-back)
 
 
 class KVTiers:
     """Host (and optionally disk) tiers under one device ``BlockPool``; rank 0 only."""
 
     def __init__(self, pool: BlockPool, block_size: int, host: TierIndex,
-                 disk: Optional[TierIndex] = None) -> None:
+                 disk: Optional[TierIndex] = None, write_policy: str = "write_through",
+                 write_threshold: int = 1, spill_gbps: Optional[float] = None,
+                 block_bytes: int = 1) -> None:
+        """``block_bytes``: one block's bytes on one rank (what ``spill_gbps`` is paid in)."""
+        check_write_policy(write_policy, write_threshold, spill_gbps)
         self.pool = pool
         self.block_size = block_size
         self.host = host
         self.disk = disk
+        self.write_policy = write_policy
+        self.write_threshold = write_threshold
+        num_known = pool.num_blocks + host.num_slots + (disk.num_slots if disk else 0)
+        self.hits = HitCounter(2 * num_known)
+        self.pacer = SpillPacer(block_bytes, spill_gbps, max_pending=pool.num_blocks)
+        pool.on_evict = self._on_device_evict
         self.stats = TierStats()
         self._ops: List[TierOp] = []
         self._records: Dict[int, _Record] = {}
@@ -148,6 +163,11 @@ class KVTiers:
             self.disk.num_queries += num_queried - num_host
             self.disk.num_hits += len(hits) - num_host
 
+    def record_hits(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Blocks a request found cached, in any tier (the selective policy counts them)."""
+        for block_hash in block_hashes:
+            self.hits.hit(block_hash)
+
     def record_access(self, block_hash: BlockHash) -> None:
         self.host.policy.record_access(block_hash)
         if self.disk is not None:
@@ -163,6 +183,9 @@ class KVTiers:
             "swapped_out_total": self.stats.num_swapped_out,
             "swapped_in_total": self.stats.num_swapped_in,
             "spills_skipped_total": self.stats.num_spills_skipped,
+            "spills_dropped_total": self.pacer.num_dropped,
+            "spills_pending": self.pacer.num_pending,
+            "written_back_total": self.stats.num_written_back,
         }
         if self.disk is not None:
             out.update({
@@ -173,13 +196,12 @@ class KVTiers:
 
     # ----- issuing ops -----
 
-    def write_through(self, blocks: Sequence[Block]) -> None:
-        """Copy newly released cached device blocks to the host tier (see the module docstring).
-
-        Never raises for lack of room: while preempted requests' tails hold every host slot
-        privately, a block is skipped (``num_spills_skipped``) and stays on the device only, as
-        it would without a host tier. Cost: O(len(blocks)) plus one slot take per copy."""
-        # Hot (held) blocks are copied as well: the pool still evicts them as a last resort, and
+    def on_release(self, blocks: Sequence[Block]) -> None:
+        """Blocks whose last request let go of them: queue the ones the write policy sends down
+        now (write-back sends none; see the module docstring). O(len(blocks))."""
+        if self.write_policy == "write_back":
+            return
+        # Hot (held) blocks are queued as well: the pool still evicts them as a last resort, and
         # copying one now, off the critical path and once per stay on host (their score keeps
         # them there), is cheaper than copying it when it is evicted, which would make the step
         # that reuses the block wait until the copy has read it.
@@ -187,13 +209,46 @@ class KVTiers:
             block_hash = block.block_hash
             if block_hash is None or block.ref_count != 0 or block_hash in self.host.entries:
                 continue
-            if not self.host.can_take():
-                self.stats.num_spills_skipped += 1
-                continue
-            slot = self._take_host_slot()
-            self.host.insert(block_hash, block.token_ids, slot)
-            self._issue_spill(Spill(block.block_id, slot, block_hash), block_hash)
-            self.stats.num_spilled_blocks += 1
+            if self._is_selected(block_hash):
+                self.pacer.offer(block.block_id, (block, block_hash))
+        self._issue_paced()  # without a bandwidth bound: all of them, now
+
+    def _on_device_evict(self, block: Block) -> None:
+        """The pool is about to reuse cached ``block``: a queued spill of it is dropped (it no
+        longer holds those bytes by the time its turn comes); write-back spills it now."""
+        self.pacer.discard(block.block_id)
+        block_hash = block.block_hash
+        if (self.write_policy == "write_back" and block_hash is not None
+                and block_hash not in self.host.entries):
+            if self._spill(block, block_hash):
+                self.stats.num_written_back += 1
+
+    def _issue_paced(self) -> None:
+        for block, block_hash in self.pacer.take(self._is_still_cached):
+            if block_hash not in self.host.entries:
+                self._spill(block, block_hash)
+
+    def _spill(self, block: Block, block_hash: BlockHash) -> bool:
+        """Copy a cached device block to a fresh host slot. Never raises for lack of room: while
+        preempted requests' tails hold every host slot privately, the block is skipped
+        (``num_spills_skipped``) and stays on the device only, as it would without a host tier."""
+        if not self.host.can_take():
+            self.stats.num_spills_skipped += 1
+            return False
+        slot = self._take_host_slot()
+        self.host.insert(block_hash, block.token_ids, slot)
+        self._issue_spill(Spill(block.block_id, slot, block_hash), block_hash)
+        self.stats.num_spilled_blocks += 1
+        return True
+
+    @staticmethod
+    def _is_still_cached(item: object) -> bool:
+        block, block_hash = item  # type: ignore[misc]
+        return block.block_hash == block_hash
+
+    def _is_selected(self, block_hash: BlockHash) -> bool:
+        return (self.write_policy != "write_through_selective"
+                or self.hits[block_hash] >= self.write_threshold)
 
     def can_swap_out(self) -> bool:
         return self.host.can_take()
@@ -208,6 +263,18 @@ class KVTiers:
 
     def release_private(self, slot: int) -> None:
         self.host.release_private(slot)
+
+    def hold(self, hits: Sequence[LowerHit]) -> None:
+        """Keep ``hits`` in their tiers until ``restore`` has queued their reads: allocating the
+        request's device blocks may evict device blocks, and write-back spills those into host
+        slots, which would otherwise evict a host (and then disk) block the request found."""
+        for hit in hits:
+            self._tier_of(hit).hold(hit.block_hash)
+
+    def _tier_of(self, hit: LowerHit) -> TierIndex:
+        tier = self.host if hit.tier == "host" else self.disk
+        assert tier is not None
+        return tier
 
     def restore(self, hits: Sequence[LowerHit], device_blocks: Sequence[Block],
                 swapped: Optional[Tuple[int, int, Block]] = None) -> RestoreChain:
@@ -237,6 +304,8 @@ class KVTiers:
             self._issue(Restore(slot, block.block_id, tag), _ChainStep(chain, len(hits), slot))
             self.stats.num_swapped_in += 1
         chain.last_ticket = self.num_issued - 1
+        for hit in hits:  # see ``hold``
+            self._tier_of(hit).unhold(hit.block_hash)
         return chain
 
     def is_being_read(self, block_id: BlockId) -> bool:
@@ -252,12 +321,15 @@ class KVTiers:
         self._issue(SaveIndex(), None)
 
     def take_ops(self) -> Tuple[TierOp, ...]:
+        """The ops issued since the last call, the paced spills the bandwidth allows now first."""
+        self._issue_paced()
         ops, self._ops = tuple(self._ops), []
         return ops
 
     @property
     def has_outstanding(self) -> bool:
-        return self.num_issued > self.num_committed
+        """Ops issued and not yet committed, or spills still waiting for their bandwidth."""
+        return self.num_issued > self.num_committed or self.pacer.num_pending > 0
 
     # ----- committing -----
 
@@ -337,6 +409,8 @@ class KVTiers:
         block_hash, entry = evicted
         if block_hash in self.disk.entries:
             self.disk.policy.record_access(block_hash)
+            return
+        if not self._is_selected(block_hash):
             return
         disk_slot, _ = self.disk.take_slot()
         self.disk.insert(block_hash, entry.token_ids, disk_slot)

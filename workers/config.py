@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from kv.write_policy import check_write_policy
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -34,6 +36,11 @@ class EngineConfig:
     kv_hotness_decay: float = 0.95  # EMA decay per request of the hotness policy
     kv_pin_threshold: float = 0.9  # hotness above which a block stays on the device
     kv_snapshot_interval_s: float = 300.0  # how often the disk tier's index is saved
+    # When blocks go down a tier (kv/write_policy.py): write_through, write_through_selective
+    # (blocks hit kv_write_threshold times) or write_back (on eviction from the tier above).
+    kv_write_policy: str = "write_through"
+    kv_write_threshold: int = 1
+    kv_spill_gbps: Optional[float] = None  # bound on write-through spills per rank; None: none
     # How long a collective of a TP group may wait (a hung rank fails the step after this; the
     # serving engine's watchdog also fails a step running past it, or past 10x recent steps).
     step_timeout_s: float = 30.0
@@ -81,6 +88,7 @@ class EngineConfig:
             raise ValueError(f"--kv-hotness-decay must be in (0, 1), got {self.kv_hotness_decay}")
         if not 0 < self.kv_pin_threshold <= 1:
             raise ValueError(f"--kv-pin-threshold must be in (0, 1], got {self.kv_pin_threshold}")
+        check_write_policy(self.kv_write_policy, self.kv_write_threshold, self.kv_spill_gbps)
         if self.kv_snapshot_interval_s <= 0:
             raise ValueError("--kv-snapshot-interval-s must be positive, "
                              f"got {self.kv_snapshot_interval_s}")

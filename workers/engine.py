@@ -145,14 +145,14 @@ class LLMEngine:
         cfg = self.config
         if not cfg.has_host_tier:
             return None
-        num_host, num_disk = tier_sizes(
-            cfg, block_spec(cfg, self.model_config, dtype).bytes_per_block)
+        block_bytes = block_spec(cfg, self.model_config, dtype).bytes_per_block
+        num_host, num_disk = tier_sizes(cfg, block_bytes)
         identity = model_identity(self.model_dir, dtype_name, cfg.block_size, cfg.tp_size)
         engine_dir = None
         if cfg.disk_kv_dir is not None:
             path, self._disk_lock = claim_engine_dir(cfg.disk_kv_dir)
             engine_dir = str(path)
-        return RankTierConfig(num_host, engine_dir, num_disk, identity)
+        return RankTierConfig(num_host, engine_dir, num_disk, identity, block_bytes)
 
     # ----- requests -----
 

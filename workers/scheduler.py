@@ -229,6 +229,8 @@ class Scheduler:
             self.waiting.popleft()
             num_hit = target if num_new == 0 else prefix.num_tokens
             self.kv.count_prefix_query(request.num_tokens, prefix, num_hit, request.block_hashes)
+            if hits:
+                self.kv.tiers.hold(hits)  # until _start_loading's restore has queued them
             self.kv.allocate(request.request_id, target, prefix)
             if num_new == 0:
                 self._start_loading(request, prefix, hits, tail)

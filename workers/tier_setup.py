@@ -53,6 +53,7 @@ class RankTierConfig:
     disk_dir: Optional[str]  # this engine's directory (``engine<i>``) under --disk-kv-dir
     num_disk_blocks: int
     identity: str  # the model and KV layout the disk blocks belong to
+    block_bytes: int = 0  # one block's KV bytes on one rank (what --kv-spill-gbps counts)
 
 
 @dataclass
@@ -196,7 +197,9 @@ def build_kv_manager(config: EngineConfig, num_blocks: int,
         if disk.entries:
             logger.info("disk KV tier: %d blocks recovered from %s", len(disk.entries),
                         rank_config.disk_dir)
-    kv.tiers = KVTiers(kv.pool, config.block_size, host, disk)
+    kv.tiers = KVTiers(kv.pool, config.block_size, host, disk, config.kv_write_policy,
+                       config.kv_write_threshold, config.kv_spill_gbps,
+                       block_bytes=max(1, rank_config.block_bytes))
     return kv
 
 

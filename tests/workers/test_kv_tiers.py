@@ -124,6 +124,36 @@ def test_disk_tier_restores_through_host(model_dir, references, tmp_path, evicti
         assert tiers.stats.num_checksum_failures == 0 and tiers.stats.num_io_errors == 0
 
 
+def test_write_back_spills_on_eviction_and_restores_with_parity(model_dir, references, tmp_path):
+    cfg = config(model_dir, host_kv_blocks=6, disk_kv_dir=str(tmp_path / "kv"),
+                 disk_kv_blocks=64, kv_write_policy="write_back")
+    with LLM(cfg) as llm:
+        assert generate(llm, FIRST) == references[:3]
+        assert generate(llm, SECOND) == references[3:]
+        tiers = tier_stats(llm)
+        assert tiers.stats.num_written_back > 0
+        assert tiers.stats.num_spilled_blocks == tiers.stats.num_written_back
+        assert tiers.host.num_hits + tiers.disk.num_hits >= 2 * 6
+        assert llm.engine.kv_tier_stats()["kv_tier_written_back_total"] > 0
+
+
+def test_selective_write_through_keeps_one_off_blocks_on_the_device(model_dir, references):
+    """No block of these prompts is hit before its release: nothing goes down, and the second
+    requests recompute their evicted prefixes (same output)."""
+    with LLM(config(model_dir, kv_write_policy="write_through_selective")) as llm:
+        assert generate(llm, FIRST + SECOND) == references
+        tiers = tier_stats(llm)
+        assert tiers.stats.num_spilled_blocks == 0 and tiers.host.num_hits == 0
+
+
+def test_a_spill_bound_drops_spills_and_keeps_parity(model_dir, references):
+    with LLM(config(model_dir, kv_spill_gbps=1e-6)) as llm:
+        assert generate(llm, FIRST + SECOND) == references
+        stats = llm.engine.kv_tier_stats()
+        assert stats["kv_tier_spills_dropped_total"] > 0
+        assert tier_stats(llm).stats.num_spilled_blocks < 3 * 6
+
+
 def test_preemption_swaps_to_host_and_back(model_dir):
     prompts = [FIRST[0][:20], FIRST[1][:18], FIRST[2][:22]]
     reference = hf_greedy(model_dir, prompts, 24)
