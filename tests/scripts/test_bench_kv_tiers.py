@@ -13,9 +13,11 @@ from bench_scripts import load_script, run_script, script_path
 
 SCRIPT = script_path("bench_kv_tiers")
 
+CONFIGS = ("device_only", "lru", "lru_write_back", "hotness_selective")
 REQUIRED_KEYS = (
-    "host_copy_ratio", "disk_ratio", "hit_rate_device_only", "hit_rate_lru", "hit_rate_hotness",
-    "ttft_ms_device_only", "ttft_ms_lru", "ttft_ms_hotness",
+    "host_copy_ratio", "disk_ratio", "hit_rate_device_only", "hit_rate_lru",
+    "hit_rate_lru_write_back", "ttft_ms_device_only", "ttft_ms_lru", "ttft_p99_ms_lru_write_back",
+    "spilled_per_restored_lru", "disk_written_per_hit_lru", "best_config", "targets_met",
 )
 
 
@@ -48,19 +50,24 @@ def reuse_trace():
 def test_quick_run_prints_sane_json_last(tmp_path, tiny_llama):
     trace = write_trace(tmp_path / "trace.jsonl", reuse_trace())
     disk_dir = tmp_path / "disk"
+    plot = tmp_path / "ttft.png"
     proc = run_bench("--quick", "--model", str(tiny_llama), "--trace", str(trace),
-                     "--disk-dir", str(disk_dir))
+                     "--disk-dir", str(disk_dir), "--configs", ",".join(CONFIGS),
+                     "--plot", str(plot))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(REQUIRED_KEYS) <= set(result)
     assert result["host_copy_ratio"] > 0 and result["disk_ratio"] > 0
-    for name in ("device_only", "lru", "hotness"):
+    for name in CONFIGS:
         assert 0 <= result[f"hit_rate_{name}"] <= 1
         assert result[f"ttft_ms_{name}"] > 0
     assert result["hit_rate_lru"] >= result["hit_rate_device_only"]
     assert result["hit_rate_lru"] > 0 and result["num_requests"] == 24
-    assert result["lru_checksum_failures_total"] == 0
-    assert result["hotness_checksum_failures_total"] == 0
+    assert result["hit_rate_lru_write_back"] > result["hit_rate_device_only"]
+    for name in CONFIGS[1:]:
+        assert result[f"{name}_checksum_failures_total"] == 0
+    assert result["spilled_per_restored_lru"] > 0
+    assert plot.stat().st_size > 0 and result["plot"] == str(plot)
     assert list(disk_dir.iterdir()) == []  # the run's own subdirectory is removed
     assert "scaled" in proc.stdout and "closed loop" in proc.stdout
 
@@ -85,7 +92,25 @@ def test_requests_flag_samples_whole_conversations_under_a_shared_root(bench):
     rows = [bench.TraceRequest(float(i), 512 * len(h) - 100, 1, h) for i, h in enumerate(
         [(0, 10 * c, 10 * c + 1) + (10 * c + 2,) * turn for turn in range(2) for c in range(4)])]
     args = bench.parse_args(["--quick", "--requests", "4"])
-    subset = bench.sample_trace(rows, args)
+    subset = bench.sample_rows(rows, args)
     assert len(subset) == 4
     assert {r.hash_ids[1] for r in subset} == {r.hash_ids[1] for r in subset[:2]}  # 2 whole
-    assert len(bench.sample_trace(rows, bench.parse_args(["--quick"]))) == 8
+    assert len(bench.sample_rows(rows, bench.parse_args(["--quick"]))) == 8
+
+
+def test_bad_configs_are_refused_by_name():
+    proc = run_bench("--quick", "--configs", "device_only,lru_write_around", timeout=120)
+    assert proc.returncode == 2 and "lru_write_around" in proc.stderr
+
+
+def test_hot_prompts_reuses_prompts_and_never_documents(bench):
+    rows = bench.hot_prompts(200, num_prompts=8, prompt_blocks=4, doc_blocks=6, seed=1)
+    assert len(rows) == 200 and all(len(r.hash_ids) == 10 for r in rows)
+    prompts = [r.hash_ids[:4] for r in rows]
+    documents = [b for r in rows for b in r.hash_ids[4:]]
+    assert len(set(documents)) == len(documents)  # one-off documents
+    assert len(set(prompts)) <= 8
+    counts = sorted((prompts.count(p) for p in set(prompts)), reverse=True)
+    assert counts[0] > 2 * counts[-1]  # Zipf: the first prompt is the most used
+    plain, _ = bench.ideal_hit_rate(rows)
+    assert abs(plain - (200 * 4 - len(set(prompts)) * 4) / (200 * 10)) < 1e-9
