@@ -35,7 +35,7 @@ from workers.keepalive import PlanKeepalive
 from workers.request_intake import check_resume, check_token_ids, choice_generator, tokenize
 from workers.step_plan import StepPlan, broadcast_plan
 from workers.tier_setup import (RankTierConfig, build_kv_manager, claim_engine_dir,
-                                model_identity, save_token_index, tier_sizes)
+                                disk_bytes_by_dir, model_identity, save_token_index, tier_sizes)
 from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -148,11 +148,12 @@ class LLMEngine:
         num_host, num_disk = tier_sizes(
             cfg, block_spec(cfg, self.model_config, dtype).bytes_per_block)
         identity = model_identity(self.model_dir, dtype_name, cfg.block_size, cfg.tp_size)
-        engine_dir = None
-        if cfg.disk_kv_dir is not None:
-            path, self._disk_lock = claim_engine_dir(cfg.disk_kv_dir)
-            engine_dir = str(path)
-        return RankTierConfig(num_host, engine_dir, num_disk, identity)
+        engine_dirs: Tuple[str, ...] = ()
+        if cfg.disk_kv_dir is not None:  # the same engine<i> in every directory, all locked
+            paths, self._disk_lock = claim_engine_dir(cfg.disk_kv_dirs)
+            engine_dirs = tuple(str(path) for path in paths)
+        return RankTierConfig(num_host, engine_dirs[0] if engine_dirs else None, num_disk,
+                              identity, engine_dirs[1:])
 
     # ----- requests -----
 
