@@ -369,6 +369,10 @@ class LLMEngine:
             "disk_read_bytes_total": transfer.num_bytes_disk_read * ranks,
             "transfer_latency_seconds": transfer.transfer_latency.drain(),
         }
+        if rank_tiers.disk is not None:  # by --disk-kv-dir entry: {dir: bytes}
+            by_dir = disk_bytes_by_dir(self._tier_config, rank_tiers.disk)
+            stats["disk_dir_written_bytes_total"] = {d: w * ranks for d, (w, _) in by_dir.items()}
+            stats["disk_dir_read_bytes_total"] = {d: r * ranks for d, (_, r) in by_dir.items()}
         return {f"kv_tier_{key}": value for key, value in stats.items()}
 
     def shutdown(self) -> None:
