@@ -66,8 +66,8 @@ class StripeLayout:
         when every directory gets a unit. Local slots are 0..n-1 with no hole: only the last unit
         overall can be partial, and it is the last of its directory."""
         num_full, remainder = divmod(self.num_slots, self.unit_slots)
-        count = (num_full // self.num_dirs + (directory < num_full % self.num_dirs)) \
-            * self.unit_slots
+        num_units = num_full // self.num_dirs + int(directory < num_full % self.num_dirs)
+        count = num_units * self.unit_slots
         if remainder and directory == num_full % self.num_dirs:
             count += remainder
         return count
@@ -185,20 +185,22 @@ class StripedDiskStore:
         if len(slots) != len(buffers):
             raise ValueError(f"StripedDiskStore: {len(slots)} slots but {len(buffers)} buffers, "
                              f"expected one buffer per slot")
-        parts: Dict[int, List[int]] = {}  # directory -> positions into slots
+        parts: Dict[int, Tuple[List[int], List[int]]] = {}  # directory -> (positions, local)
         for index, slot in enumerate(slots):
             if not 0 <= slot < self.num_slots:
                 raise ValueError(f"StripedDiskStore: slot {slot} out of range, expected "
                                  f"0 <= slot < {self.num_slots}")
-            parts.setdefault(self.layout.locate(slot)[0], []).append(index)
+            directory, local = self.layout.locate(slot)
+            positions, local_slots = parts.setdefault(directory, ([], []))
+            positions.append(index)
+            local_slots.append(local)
         calls = []
-        for directory, positions in parts.items():
+        for directory, (positions, local_slots) in parts.items():
             store = self.stores[directory]
             method = store.write if what == "write" else store.read
-            local = [self.layout.locate(slots[i])[1] for i in positions]
-            calls.append((method, (local, [buffers[i] for i in positions])))
+            calls.append((method, (local_slots, [buffers[i] for i in positions])))
         results: List[Optional[OSError]] = [None] * len(slots)
-        for positions, errors in zip(parts.values(), self._run_all(calls)):
+        for (positions, _), errors in zip(parts.values(), self._run_all(calls)):
             for index, error in zip(positions, errors):
                 results[index] = error
         return results

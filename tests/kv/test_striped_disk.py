@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,14 @@ def test_bad_arguments_raise(tmp_path):
         StripedDiskStore(_paths(tmp_path, 3), num_slots=2, slot_bytes=SLOT)
     with pytest.raises(ValueError, match="is closed"):
         store.read([0, 1], _slot_views(2))
+
+
+def test_the_parts_of_a_call_run_at_once(tmp_path):
+    """One part per directory, all in flight together: three parts that each wait for the
+    other two finish only if they run at the same time."""
+    with StripedDiskStore(_paths(tmp_path, 3), num_slots=12, slot_bytes=SLOT) as store:
+        barrier = threading.Barrier(3, timeout=10)
+        assert sorted(store._run_all([(barrier.wait, ())] * 3)) == [0, 1, 2]
 
 
 def test_a_read_error_in_one_directory_fails_only_its_slots(tmp_path):
