@@ -62,9 +62,9 @@ class StripeLayout:
         return (row * self.num_dirs + directory) * self.unit_slots + offset
 
     def num_local_slots(self, directory: int) -> int:
-        """Slots that live in ``directory`` (its file's size in slots); at least 1 unit's worth
-        when every directory gets a unit. Local slots are 0..n-1 with no hole: only the last unit
-        overall can be partial, and it is the last of its directory."""
+        """Slots that live in ``directory`` (its file's size in slots). Its local slots are
+        ``0..count-1`` with no hole: only the last unit overall can be partial, and it is the
+        last of its directory."""
         num_full, remainder = divmod(self.num_slots, self.unit_slots)
         num_units = num_full // self.num_dirs + int(directory < num_full % self.num_dirs)
         count = num_units * self.unit_slots

@@ -26,23 +26,23 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from kv.disk_index import DirectoryLock, lock_directory, read_snapshot, warn_unknown_files, \
     write_snapshot
-from kv.striped_disk import StripedDiskStore
 from kv.eviction import HotnessTracker, make_policy
 from kv.host_buffer import HostBuffer
 from kv.kv_cache import KVCache
 from kv.kv_manager import KVCacheManager
 from kv.prefix_hash import BlockHash
+from kv.striped_disk import StripedDiskStore
 from kv.tier_index import TierEntry, TierIndex
 from kv.tiers import KVTiers
 from kv.transfer import TransferEngine
-from workers.config import EngineConfig
+from workers.config import EngineConfig, parse_disk_kv_dirs
 from workers.loader import checkpoint_files
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class RankTiers:
     transfer: TransferEngine
     host: HostBuffer
     disk: Optional[StripedDiskStore]
-    lock: Optional["DirectoryLocks"]
+    lock: Optional[DirectoryLocks]
     recovered_disk_tags: Dict[int, int]  # slot -> block hash every rank holds (warm start)
 
     def close(self) -> None:
@@ -145,11 +145,14 @@ def tier_sizes(config: EngineConfig, bytes_per_block: int) -> Tuple[int, int]:
 _MAX_ENGINES_PER_DIR = 64
 
 
-def claim_engine_dir(disk_kv_dirs: Sequence[str]) -> Tuple[List[Path], DirectoryLocks]:
-    """The first ``engine<i>`` that no running engine holds in any of ``disk_kv_dirs``: that
-    directory under each of them (same ``i``, so a restart with the same list finds all its
-    files again) and the locks on them. ``ValueError`` naming a directory that cannot be
-    created or written."""
+def claim_engine_dir(disk_kv_dirs: Union[str, Sequence[str]]
+                     ) -> Tuple[List[Path], DirectoryLocks]:
+    """The first ``engine<i>`` that no running engine holds in any of ``disk_kv_dirs`` (a list,
+    or ``--disk-kv-dir``'s comma-separated string): that directory under each of them (same
+    ``i``, so a restart with the same list finds all its files again) and the locks on them.
+    ``ValueError`` naming a directory that cannot be created or written."""
+    if isinstance(disk_kv_dirs, str):
+        disk_kv_dirs = parse_disk_kv_dirs(disk_kv_dirs)
     for directory in disk_kv_dirs:
         _check_writable(Path(directory))
     for index in range(_MAX_ENGINES_PER_DIR):

@@ -94,4 +94,6 @@ def test_an_engine_claims_the_same_index_in_every_directory(tmp_path):
     assert [p.name for p in third] == ["engine0"] * 3
     for claim in (locks, second_locks, third_locks):
         claim.release()
-    assert [p.name for p in claim_engine_dir(dirs)[0]] == ["engine0"] * 3
+    paths, locks = claim_engine_dir(",".join(dirs))  # the flag's string works too
+    assert paths == [tmp_path / name / "engine0" for name in ("a", "b", "c")]
+    locks.release()
