@@ -47,8 +47,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="host-memory KV tier in GiB (0: none)")
     tiers.add_argument("--host-kv-blocks", type=int, default=None,
                        help="host-memory KV tier in blocks (instead of --host-kv-gb)")
-    tiers.add_argument("--disk-kv-dir", default=None, help="directory of the disk KV tier")
-    tiers.add_argument("--disk-kv-gb", type=float, default=0.0, help="disk KV tier in GiB")
+    tiers.add_argument("--disk-kv-dir", default=None,
+                       help="directory of the disk KV tier, or a comma-separated list (one per "
+                            "drive) that its blocks are striped over")
+    tiers.add_argument("--disk-kv-gb", type=float, default=0.0,
+                       help="disk KV tier in GiB (all directories together)")
     tiers.add_argument("--disk-kv-blocks", type=int, default=None,
                        help="disk KV tier in blocks (instead of --disk-kv-gb)")
     tiers.add_argument("--kv-eviction", default="lru", choices=("lru", "hotness"),

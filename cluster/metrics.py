@@ -22,7 +22,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import ray
 from ray.util import metrics as ray_metrics
@@ -72,6 +72,13 @@ GROUP_METRICS: Dict[str, Tuple[str, str]] = {
     "prefix_cache_queries_total": ("prefix_cache_queries", "counter"),
     "prefix_cache_hits_total": ("prefix_cache_hits", "counter"),
     "num_preemptions_total": ("num_preemptions", "counter"),
+}
+
+# Snapshot keys whose value is a mapping {label value: number}, one series per label value:
+# key -> the label's name (named and typed like the other keys).
+LABELLED_GROUP_METRICS: Dict[str, str] = {
+    "kv_tier_disk_dir_written_bytes_total": "dir",  # per --disk-kv-dir entry
+    "kv_tier_disk_dir_read_bytes_total": "dir",
 }
 
 
@@ -132,6 +139,7 @@ class GroupRecord:
     pushed_at: float
     values: Dict[str, float]
     histograms: Dict[str, HistogramState]
+    labelled: Dict[str, Dict[str, float]] = field(default_factory=dict)  # LABELLED_GROUP_METRICS
 
 
 class MetricsStore:
@@ -163,12 +171,25 @@ class MetricsStore:
                 logger.warning("group %s pushed an invalid metric name %r", group_id, key)
             elif isinstance(value, (list, tuple)):
                 self._observe(group_id, record, key, value)
+            elif isinstance(value, Mapping) and key in LABELLED_GROUP_METRICS:
+                self._set_labelled(group_id, record, key, value)
             elif _is_number(value):
                 record.values[key] = float(value)
         if previous.get("engine_alive") == 1.0 and record.values.get("engine_alive") == 0.0:
             self._count_failure("engine_died")
         if self._mirror is not None:
             self._mirror.group_values(group_id, previous, record.values)
+
+    def _set_labelled(self, group_id: str, record: GroupRecord, key: str,
+                      series: Mapping[Any, Any]) -> None:
+        previous = record.labelled.get(key, {})
+        current = {str(label): float(value) for label, value in series.items()
+                   if _is_number(value)}
+        record.labelled[key] = current
+        if self._mirror is not None:
+            for label, value in current.items():
+                tags = {"group": group_id, LABELLED_GROUP_METRICS[key]: label}
+                self._mirror.group_values(tags, {key: previous.get(label, 0.0)}, {key: value})
 
     def remove(self, group_id: str) -> None:
         """A group stopping on purpose (scale-down, redeploy, shutdown): not a failure."""
@@ -250,6 +271,15 @@ def group_metric_families(groups: Mapping[str, GroupRecord], model_name: str) ->
                 family = families[name] = HistogramMetricFamily(
                     name, f"TP group {key}", labels=labels)
             family.add_metric([model_name, group_id], hist.cumulative_buckets(), hist.sum)
+        for key, series in sorted(record.labelled.items()):
+            name, kind = group_metric_kind(key)
+            family = families.get(name)
+            if family is None:
+                cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                family = families[name] = cls(name, f"TP group {key}",
+                                              labels=labels + [LABELLED_GROUP_METRICS[key]])
+            for label, value in sorted(series.items()):
+                family.add_metric([model_name, group_id, label], value)
     return list(families.values())
 
 
@@ -476,9 +506,10 @@ class RayMetricsMirror:
     def gauge(self, name: str, value: float, tags: Dict[str, str]) -> None:
         self._metric("gauge", name, tuple(sorted(tags))).set(value, tags)
 
-    def group_values(self, group_id: str, previous: Mapping[str, float],
+    def group_values(self, group: Union[str, Dict[str, str]], previous: Mapping[str, float],
                      current: Mapping[str, float]) -> None:
-        tags = {"group": group_id}
+        """``group``: the group's id, or the tags of a labelled series (the id among them)."""
+        tags = {"group": group} if isinstance(group, str) else group
         for key, value in current.items():
             name, kind = group_metric_kind(key)
             if kind == "counter":

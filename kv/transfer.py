@@ -33,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ from kv.block_checksum import BlockChecksum, index_identity
 from kv.block_copier import BlockCopier
 from kv.disk_index import read_snapshot, write_snapshot
 from kv.disk_store import DiskStore
+from kv.striped_disk import StripedDiskStore
 from kv.host_buffer import HostBuffer
 from kv.kv_cache import KVCache
 from kv.tier_ops import (OpStatus, ReadDisk, Restore, SaveIndex, Spill, TierOp, TierOpResults,
@@ -52,7 +53,9 @@ from parallel.latency import LatencyRecorder
 logger = logging.getLogger(__name__)
 
 INDEX_KIND = "disk-checksums"
-_IO_DEPTH = 2  # disk calls in flight: keeps the device busy while a chunk is verified
+# Disk calls in flight: keeps the device busy while a chunk is verified (a striped store runs
+# each call's parts on all its drives at once, so each drive has as many).
+_IO_DEPTH = 2
 _OP_KINDS = (Spill, Restore, WriteDisk, ReadDisk, SaveIndex)
 
 
@@ -116,7 +119,8 @@ class TransferEngine:
     not done within ``wait_timeout_s`` (generous: a stuck device, not a slow one).
     """
 
-    def __init__(self, kv_cache: KVCache, host: HostBuffer, disk: Optional[DiskStore] = None,
+    def __init__(self, kv_cache: KVCache, host: HostBuffer,
+                 disk: Optional[Union[DiskStore, StripedDiskStore]] = None,
                  index_path: Optional[Path] = None, identity: str = "",
                  wait_timeout_s: float = 600.0, checksum: Optional[BlockChecksum] = None) -> None:
         if host.block_nbytes != kv_cache.spec.bytes_per_block:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from kv.write_policy import check_write_policy
 
@@ -29,8 +30,10 @@ class EngineConfig:
     # KV tiers below the device pool (per rank): host memory, then local disk.
     host_kv_gb: float = 0.0  # host tier size; 0 and host_kv_blocks None: no host tier
     host_kv_blocks: Optional[int] = None  # host tier in blocks (wins over host_kv_gb)
-    disk_kv_dir: Optional[str] = None  # disk tier directory (needs a host tier)
-    disk_kv_gb: float = 0.0  # disk tier size
+    # Disk tier directory, or a comma-separated list that blocks are striped over (one per
+    # drive); needs a host tier.
+    disk_kv_dir: Optional[str] = None
+    disk_kv_gb: float = 0.0  # disk tier size (all directories together)
     disk_kv_blocks: Optional[int] = None  # disk tier in blocks (wins over disk_kv_gb)
     kv_eviction: str = "lru"  # lru or hotness, at every tier
     kv_hotness_decay: float = 0.95  # EMA decay per request of the hotness policy
@@ -46,6 +49,11 @@ class EngineConfig:
     step_timeout_s: float = 30.0
     # Keep a StepRecord per step (benchmarks): about 0.7 GB an hour in a busy server, so off.
     record_steps: bool = False
+
+    @property
+    def disk_kv_dirs(self) -> Tuple[str, ...]:
+        """The directories of ``disk_kv_dir`` in order; empty without a disk tier."""
+        return () if self.disk_kv_dir is None else parse_disk_kv_dirs(self.disk_kv_dir)
 
     @property
     def has_host_tier(self) -> bool:
@@ -97,6 +105,7 @@ class EngineConfig:
                              "--host-kv-* options")
         has_disk_size = self.disk_kv_blocks is not None or self.disk_kv_gb > 0
         if self.disk_kv_dir is not None:
+            parse_disk_kv_dirs(self.disk_kv_dir)
             if not self.has_host_tier:
                 raise ValueError("--disk-kv-dir needs a host tier (--host-kv-gb or "
                                  "--host-kv-blocks): disk blocks come back through host memory")
@@ -104,3 +113,20 @@ class EngineConfig:
                 raise ValueError("--disk-kv-dir needs a size: --disk-kv-gb or --disk-kv-blocks")
         elif has_disk_size:
             raise ValueError("--disk-kv-gb/--disk-kv-blocks need --disk-kv-dir")
+
+
+def parse_disk_kv_dirs(value: str) -> Tuple[str, ...]:
+    """``--disk-kv-dir a,b,c`` as ``("a", "b", "c")``; ``ValueError`` naming an empty entry or
+    two entries that are the same directory (after resolving ``..`` and symbolic links)."""
+    entries = tuple(entry.strip() for entry in value.split(","))
+    seen = {}
+    for position, entry in enumerate(entries, start=1):
+        if not entry:
+            raise ValueError(f"--disk-kv-dir {value!r}: entry {position} is empty; expected "
+                             "directories separated by single commas")
+        resolved = os.path.realpath(entry)
+        if resolved in seen:
+            raise ValueError(f"--disk-kv-dir {value!r}: {entry!r} is the same directory as "
+                             f"{seen[resolved]!r} ({resolved}); list each directory once")
+        seen[resolved] = entry
+    return entries

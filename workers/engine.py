@@ -35,7 +35,7 @@ from workers.keepalive import PlanKeepalive
 from workers.request_intake import check_resume, check_token_ids, choice_generator, tokenize
 from workers.step_plan import StepPlan, broadcast_plan
 from workers.tier_setup import (RankTierConfig, build_kv_manager, claim_engine_dir,
-                                model_identity, save_token_index, tier_sizes)
+                                disk_bytes_by_dir, model_identity, save_token_index, tier_sizes)
 from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -148,11 +148,12 @@ class LLMEngine:
         block_bytes = block_spec(cfg, self.model_config, dtype).bytes_per_block
         num_host, num_disk = tier_sizes(cfg, block_bytes)
         identity = model_identity(self.model_dir, dtype_name, cfg.block_size, cfg.tp_size)
-        engine_dir = None
-        if cfg.disk_kv_dir is not None:
-            path, self._disk_lock = claim_engine_dir(cfg.disk_kv_dir)
-            engine_dir = str(path)
-        return RankTierConfig(num_host, engine_dir, num_disk, identity, block_bytes)
+        engine_dirs: Tuple[str, ...] = ()
+        if cfg.disk_kv_dir is not None:  # the same engine<i> in every directory, all locked
+            paths, self._disk_lock = claim_engine_dir(cfg.disk_kv_dirs)
+            engine_dirs = tuple(str(path) for path in paths)
+        return RankTierConfig(num_host, engine_dirs[0] if engine_dirs else None, num_disk,
+                              identity, engine_dirs[1:], block_bytes)
 
     # ----- requests -----
 
@@ -368,6 +369,10 @@ class LLMEngine:
             "disk_read_bytes_total": transfer.num_bytes_disk_read * ranks,
             "transfer_latency_seconds": transfer.transfer_latency.drain(),
         }
+        if rank_tiers.disk is not None:  # by --disk-kv-dir entry: {dir: bytes}
+            by_dir = disk_bytes_by_dir(self._tier_config, rank_tiers.disk)
+            stats["disk_dir_written_bytes_total"] = {d: w * ranks for d, (w, _) in by_dir.items()}
+            stats["disk_dir_read_bytes_total"] = {d: r * ranks for d, (_, r) in by_dir.items()}
         return {f"kv_tier_{key}": value for key, value in stats.items()}
 
     def shutdown(self) -> None:

@@ -9,31 +9,40 @@ layout that wrote it; one from another model, another TP size or a truncated one
 warning. On a warm start the ranks agree (all-reduce MIN and MAX of every slot's tag) on the slots
 that every rank holds for the same block; rank 0 adopts those whose tokens it knows. The bytes
 themselves are checked again, by checksum, whenever they come back.
+
+With several directories (``--disk-kv-dir a,b,c``) the engine claims the same ``engine<i>`` in
+every one (the first ``i`` free in all), each rank stripes its blocks over one ``blocks.bin`` per
+directory (``kv.striped_disk``), and the snapshots live in the first directory only. The stripe
+layout (unit size, every file's path, in order) is part of the checksum snapshot's identity, so
+a list of another count or order starts cold with a warning instead of misreading blocks; a
+snapshot left in a directory that is no longer first is removed, since its blocks will be
+overwritten.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from kv.disk_index import DirectoryLock, lock_directory, read_snapshot, warn_unknown_files, \
     write_snapshot
-from kv.disk_store import DiskStore
 from kv.eviction import HotnessTracker, make_policy
 from kv.host_buffer import HostBuffer
 from kv.kv_cache import KVCache
 from kv.kv_manager import KVCacheManager
 from kv.prefix_hash import BlockHash
+from kv.striped_disk import StripedDiskStore
 from kv.tier_index import TierEntry, TierIndex
 from kv.tiers import KVTiers
 from kv.transfer import TransferEngine
-from workers.config import EngineConfig
+from workers.config import EngineConfig, parse_disk_kv_dirs
 from workers.loader import checkpoint_files
 
 logger = logging.getLogger(__name__)
@@ -50,10 +59,17 @@ class RankTierConfig:
     """What one rank needs to build its tiers (picklable: it travels to the rank's process)."""
 
     num_host_blocks: int
-    disk_dir: Optional[str]  # this engine's directory (``engine<i>``) under --disk-kv-dir
-    num_disk_blocks: int
+    # This engine's directory (``engine<i>``) under the first --disk-kv-dir: snapshots go there.
+    disk_dir: Optional[str]
+    num_disk_blocks: int  # all directories together
     identity: str  # the model and KV layout the disk blocks belong to
+    extra_disk_dirs: Tuple[str, ...] = ()  # ``engine<i>`` under the other --disk-kv-dir entries
     block_bytes: int = 0  # one block's KV bytes on one rank (what --kv-spill-gbps counts)
+
+    @property
+    def disk_dirs(self) -> Tuple[str, ...]:
+        """Every ``engine<i>`` directory the disk blocks are striped over, in order."""
+        return () if self.disk_dir is None else (self.disk_dir, *self.extra_disk_dirs)
 
 
 @dataclass
@@ -62,18 +78,30 @@ class RankTiers:
 
     transfer: TransferEngine
     host: HostBuffer
-    disk: Optional[DiskStore]
-    lock: Optional[DirectoryLock]
+    disk: Optional[StripedDiskStore]
+    lock: Optional[DirectoryLocks]
     recovered_disk_tags: Dict[int, int]  # slot -> block hash every rank holds (warm start)
 
     def close(self) -> None:
-        """Finish queued transfers, then release memory, file and lock."""
+        """Finish queued transfers, then release memory, files and locks."""
         self.transfer.close()
         self.host.close()
         if self.disk is not None:
             self.disk.close()
         if self.lock is not None:
             self.lock.release()
+
+
+class DirectoryLocks:
+    """Locks held together (one per directory of a striped disk tier), released together."""
+
+    def __init__(self, locks: Sequence[DirectoryLock]) -> None:
+        self.locks = list(locks)
+
+    def release(self) -> None:
+        """Release every lock; idempotent."""
+        for lock in self.locks:
+            lock.release()
 
 
 def model_identity(model_dir: Path, dtype: str, block_size: int, tp_size: int) -> str:
@@ -107,22 +135,61 @@ def tier_sizes(config: EngineConfig, bytes_per_block: int) -> Tuple[int, int]:
         raise ValueError(f"--host-kv-gb {config.host_kv_gb} holds no block of {slot_bytes} bytes")
     if config.disk_kv_dir is not None and disk < 1:
         raise ValueError(f"--disk-kv-gb {config.disk_kv_gb} holds no block of {slot_bytes} bytes")
+    num_dirs = len(config.disk_kv_dirs)
+    if disk < num_dirs:
+        raise ValueError(f"the disk tier holds {disk} blocks of {slot_bytes} bytes, fewer than "
+                         f"the {num_dirs} directories of --disk-kv-dir: raise --disk-kv-gb or "
+                         f"--disk-kv-blocks (the total over all directories)")
     return host, disk
 
 
 _MAX_ENGINES_PER_DIR = 64
 
 
-def claim_engine_dir(disk_kv_dir: str) -> Tuple[Path, DirectoryLock]:
-    """The first ``engine<i>`` directory under ``disk_kv_dir`` that no running engine holds."""
+def claim_engine_dir(disk_kv_dirs: Union[str, Sequence[str]]
+                     ) -> Tuple[List[Path], DirectoryLocks]:
+    """The first ``engine<i>`` that no running engine holds in any of ``disk_kv_dirs`` (a list,
+    or ``--disk-kv-dir``'s comma-separated string): that directory under each of them (same
+    ``i``, so a restart with the same list finds all its files again) and the locks on them.
+    ``ValueError`` naming a directory that cannot be created or written."""
+    if isinstance(disk_kv_dirs, str):
+        disk_kv_dirs = parse_disk_kv_dirs(disk_kv_dirs)
+    for directory in disk_kv_dirs:
+        _check_writable(Path(directory))
     for index in range(_MAX_ENGINES_PER_DIR):
-        directory = Path(disk_kv_dir) / f"engine{index}"
+        paths = [Path(directory) / f"engine{index}" for directory in disk_kv_dirs]
+        locks = DirectoryLocks([])
         try:
-            return directory, lock_directory(directory)
-        except RuntimeError:
+            for path in paths:
+                locks.locks.append(_lock(path))
+        except RuntimeError:  # another engine holds engine<index> in one of them
+            locks.release()
             continue
-    raise RuntimeError(f"--disk-kv-dir {disk_kv_dir}: {_MAX_ENGINES_PER_DIR} engines already "
-                       "use it; give this one another directory")
+        except BaseException:
+            locks.release()
+            raise
+        return paths, locks
+    raise RuntimeError(f"--disk-kv-dir {','.join(disk_kv_dirs)}: {_MAX_ENGINES_PER_DIR} engines "
+                       "already use it; give this one another directory")
+
+
+def _check_writable(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".tmp.probe.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"--disk-kv-dir entry {str(directory)!r} cannot be created or written "
+                         f"({exc.strerror or exc}); give a writable directory") from None
+
+
+def _lock(directory: Path) -> DirectoryLock:
+    try:
+        return lock_directory(directory)
+    except OSError as exc:
+        raise ValueError(f"--disk-kv-dir directory {str(directory)!r} cannot be created or "
+                         f"written ({exc.strerror or exc})") from None
 
 
 def rank_dir(engine_dir: str, rank: int) -> Path:
@@ -141,16 +208,52 @@ def build_rank_tiers(config: RankTierConfig, kv_cache: KVCache, rank: int,
     disk, lock, index_path = None, None, None
     identity = f"{config.identity}/rank{rank}"
     if config.disk_dir is not None:
-        directory = rank_dir(config.disk_dir, rank)
-        lock = lock_directory(directory)
-        warn_unknown_files(directory, _KNOWN_FILES)
-        disk = DiskStore(directory / BLOCKS_FILE, config.num_disk_blocks, host.slot_bytes)
-        index_path = directory / CHECKSUMS_FILE
+        disk, lock = _open_disk(config, rank, host.slot_bytes)
+        index_path = rank_dir(config.disk_dir, rank) / CHECKSUMS_FILE
+        identity += disk.layout_identity
     transfer = TransferEngine(kv_cache, host, disk, index_path, identity, wait_timeout_s)
     recovered: Dict[int, int] = {}
     if disk is not None:
         recovered = agree_disk_tags(transfer.disk_tags(), config.num_disk_blocks, cpu_group)
     return RankTiers(transfer, host, disk, lock, recovered)
+
+
+def _open_disk(config: RankTierConfig, rank: int,
+               slot_bytes: int) -> Tuple[StripedDiskStore, DirectoryLocks]:
+    """Lock this rank's directory under every ``engine<i>`` and open its striped store."""
+    directories = [rank_dir(engine_dir, rank) for engine_dir in config.disk_dirs]
+    locks = DirectoryLocks([])
+    try:
+        for position, directory in enumerate(directories):
+            locks.locks.append(lock_directory(directory))
+            if position > 0:
+                _remove_stale_snapshots(directory)
+            warn_unknown_files(directory, _KNOWN_FILES)
+        disk = StripedDiskStore([d / BLOCKS_FILE for d in directories], config.num_disk_blocks,
+                                slot_bytes)
+    except BaseException:
+        locks.release()
+        raise
+    return disk, locks
+
+
+def _remove_stale_snapshots(directory: Path) -> None:
+    """Snapshots in a directory that is not first in the list were written when it was (another
+    list): this layout overwrites its blocks, so they would describe bytes that are gone."""
+    for name in (CHECKSUMS_FILE, TOKENS_FILE):
+        path = directory / name
+        if path.exists():
+            logger.warning("%s: written when %s came first in --disk-kv-dir; the list has "
+                           "changed, so its blocks are not reused and the snapshot is removed",
+                           path, directory.parent.parent)
+            path.unlink()
+
+
+def disk_bytes_by_dir(config: RankTierConfig,
+                      disk: StripedDiskStore) -> Dict[str, Tuple[int, int]]:
+    """``--disk-kv-dir`` entry -> (bytes written, bytes read) of this rank's file there."""
+    return {str(Path(engine_dir).parent): counts
+            for engine_dir, counts in zip(config.disk_dirs, disk.directory_bytes())}
 
 
 def agree_disk_tags(local: Dict[int, int], num_slots: int,

@@ -69,6 +69,12 @@ def test_generate_with_host_and_disk_tiers(tiny_llama, tmp_path):
 @pytest.mark.parametrize("args,match", [
     (("--disk-kv-dir", "/tmp/x", "--disk-kv-blocks", "4"), "needs a host tier"),
     (("--host-kv-blocks", "4", "--disk-kv-dir", "/tmp/x"), "--disk-kv-gb or --disk-kv-blocks"),
+    (("--host-kv-blocks", "4", "--disk-kv-dir", "/tmp/x,,/tmp/y", "--disk-kv-blocks", "4"),
+     "entry 2 is empty"),
+    (("--host-kv-blocks", "4", "--disk-kv-dir", "/tmp/x,/tmp/y/../x", "--disk-kv-blocks", "4"),
+     "is the same directory as '/tmp/x'"),
+    (("--host-kv-blocks", "4", "--disk-kv-dir", "/dev/null/kv,/tmp/x", "--disk-kv-blocks", "4"),
+     "'/dev/null/kv' cannot be created or written"),
     (("--host-kv-blocks", "0"), "--host-kv-blocks must be at least 1"),
     (("--host-kv-blocks", "4", "--no-prefix-cache"), "prefix-cached"),
     (("--kv-eviction", "mru"), "invalid choice"),

@@ -176,8 +176,9 @@ def test_a_tiered_engines_numbers_reach_metrics_text(tiny_llama, tmp_path):
     from workers.engine import LLMEngine
     from workers.sampling_params import SamplingParams
 
+    disk_dirs = [str(tmp_path / "kv0"), str(tmp_path / "kv1")]
     config = EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=16, max_num_seqs=1,
-                          host_kv_blocks=4, disk_kv_dir=str(tmp_path / "kv"), disk_kv_blocks=32)
+                          host_kv_blocks=4, disk_kv_dir=",".join(disk_dirs), disk_kv_blocks=32)
     engine = AsyncLLMEngine(lambda: LLMEngine(config))
 
     async def one(prompt, request_id):
@@ -202,3 +203,30 @@ def test_a_tiered_engines_numbers_reach_metrics_text(tiny_llama, tmp_path):
         "kv_tier_spilled_bytes_total"]
     assert samples[("tpserve:kv_tier_checksum_failures_total", g0)] == 0
     assert samples[("tpserve:kv_tier_transfer_latency_seconds_count", g0)] >= 1
+    by_dir = [samples[("tpserve:kv_tier_disk_dir_written_bytes_total",
+                       labels(model_name="tiny", group="g0", dir=d))] for d in disk_dirs]
+    assert sum(by_dir) == snapshot["kv_tier_disk_written_bytes_total"]
+
+
+def test_per_directory_disk_bytes_rendered_with_a_dir_label():
+    """A striped disk tier's bytes by --disk-kv-dir entry: one counter series per directory."""
+    store = m.MetricsStore()
+    per_dir = {"kv_tier_disk_dir_written_bytes_total": {"/nvme0/kv": 8192, "/nvme1/kv": 4096},
+               "kv_tier_disk_dir_read_bytes_total": {"/nvme0/kv": 0, "/nvme1/kv": 4096},
+               "kv_tier_unknown_mapping": {"x": 1}}
+    store.push("g0", {**SNAPSHOT, **per_dir})
+    store.push("g0", {**SNAPSHOT, **per_dir, "kv_tier_disk_dir_written_bytes_total": {
+        "/nvme0/kv": 12288, "/nvme1/kv": 4096}})
+    assert store.snapshot()["g0"].labelled["kv_tier_disk_dir_written_bytes_total"] == {
+        "/nvme0/kv": 12288.0, "/nvme1/kv": 4096.0}
+    families, samples = parse(m.IngressMetrics("tiny", 256).render(store.snapshot(), {}))
+    family = families["tpserve:kv_tier_disk_dir_written_bytes"]
+    assert family.type == "counter"
+    g0 = dict(model_name="tiny", group="g0")
+    assert samples[("tpserve:kv_tier_disk_dir_written_bytes_total",
+                    labels(**g0, dir="/nvme0/kv"))] == 12288
+    assert samples[("tpserve:kv_tier_disk_dir_written_bytes_total",
+                    labels(**g0, dir="/nvme1/kv"))] == 4096
+    assert samples[("tpserve:kv_tier_disk_dir_read_bytes_total",
+                    labels(**g0, dir="/nvme1/kv"))] == 4096
+    assert not any("unknown_mapping" in name for name, _ in samples)  # only declared mappings

@@ -47,6 +47,8 @@ def test_defaults_are_tpserve_serves():
     ({"no_prefix_cache": "yes"}, "args.no_prefix_cache: expected true or false"),
     ({"kv_target_occupancy": "high"}, "args.kv_target_occupancy: expected a number"),
     ({"disk_kv_dir": "/d", "disk_kv_gb": 1}, "args.disk_kv_dir needs a host tier"),
+    ({"disk_kv_dir": "/a,,/b", "host_kv_gb": 1, "disk_kv_gb": 1},
+     "args.disk_kv_dir '/a,,/b': entry 2 is empty"),
     ({"api_key": "s3cret"}, "args.api_key: not an application arg"),
     ({"port": 9000}, "args.port: not an application arg; it comes from the file's http_options"),
     ({"api_key_env": "UNSET_VAR"},

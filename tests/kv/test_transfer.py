@@ -6,6 +6,7 @@ hashed "on the device" by the kernel's numpy twin (the copier's CUDA-with-CuPy p
 hash before a spill's copy, copy then verify on a restore, disk reads verified on the host by
 the numpy reference)."""
 
+import os
 import threading
 import time
 
@@ -17,6 +18,7 @@ import torch.multiprocessing as mp
 from kv.block_checksum import ReferenceBlockHasher, index_identity, mix64_strategy
 from kv.disk_index import write_snapshot
 from kv.disk_store import DiskStore
+from kv.striped_disk import StripedDiskStore
 from kv.host_buffer import HostBuffer
 from kv.kv_cache import KVCache, KVCacheSpec
 from kv.tier_ops import OpStatus, ReadDisk, Restore, SaveIndex, Spill, WriteDisk
@@ -145,6 +147,37 @@ def test_disk_round_trip_coalesces_consecutive_slots(tiers):
     for b, original in enumerate(originals):
         assert torch.equal(block(kv, b), original)
     assert engine.num_bytes_disk_written == engine.num_bytes_disk_read == 4 * host.slot_bytes
+
+
+def test_striped_disk_round_trip_and_one_failing_directory(tmp_path):
+    """Over three directories (units of 5 slots: a 0-4 and 15, b 5-9, c 10-14): blocks written
+    across all of them come back; when b loses its file only b's slots fail."""
+    kv = random_cache(3)
+    host = HostBuffer(8, SPEC.bytes_per_block, pin=False)
+    paths = [tmp_path / name / "blocks.bin" for name in "abc"]
+    disk = StripedDiskStore(paths, 16, host.slot_bytes)
+    engine = TransferEngine(kv, host, disk, tmp_path / "index.json", "model-a/rank0")
+    try:
+        disk_slots = [3, 4, 5, 6, 9, 10, 11, 15]
+        originals = [block(kv, b).clone() for b in range(8)]
+        assert run(engine, [Spill(b, b, tag=b + 1) for b in range(8)]
+                   + [WriteDisk(b, disk_slots[b], tag=b + 1) for b in range(8)]) == (OK,) * 16
+        assert [w for w, _ in disk.directory_bytes()] == [3 * host.slot_bytes,
+                                                          3 * host.slot_bytes,
+                                                          2 * host.slot_bytes]
+        os.truncate(paths[1], 0)  # b's drive lost its data
+        kv.data.zero_()
+        statuses = run(engine, [ReadDisk(disk_slots[b], b, tag=b + 1) for b in range(8)]
+                       + [Restore(b, b, tag=b + 1) for b in range(8)])
+        failed = [b for b in range(8) if statuses[b] is not OK]
+        assert failed == [2, 3, 4]  # disk slots 5, 6, 9: directory b
+        assert all(statuses[b] is IO_ERROR for b in failed)
+        for b in set(range(8)) - set(failed):
+            assert torch.equal(block(kv, b), originals[b])
+    finally:
+        engine.close()
+        disk.close()
+        host.close()
 
 
 def test_flipped_disk_byte_fails_read_disk(tiers):

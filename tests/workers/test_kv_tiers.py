@@ -279,6 +279,51 @@ def test_restart_with_another_model_ignores_the_disk_tier(model_dir, tmp_path, c
     assert "another model" in " ".join(r.getMessage() for r in caplog.records)
 
 
+def test_restart_reuses_a_striped_disk_tier_and_counts_bytes_per_directory(
+        model_dir, references, tmp_path, caplog):
+    """Three directories, 24 disk blocks: stripe units of 8 blocks, one in each directory. The
+    same list finds its blocks again; another order or count starts cold, with a warning."""
+    dirs = [str(tmp_path / name) for name in ("a", "b", "c")]
+    cfg = lambda names: config(model_dir, host_kv_blocks=4, disk_kv_blocks=24,  # noqa: E731
+                               disk_kv_dir=",".join(names))
+    with LLM(cfg(dirs)) as llm:
+        assert generate(llm, FIRST) == references[:3]
+        stats = llm.engine.kv_tier_stats()
+    written = stats["kv_tier_disk_dir_written_bytes_total"]
+    assert sorted(written) == dirs and all(written[d] > 0 for d in dirs)
+    assert sum(written.values()) == stats["kv_tier_disk_written_bytes_total"]
+    assert sorted(stats["kv_tier_disk_dir_read_bytes_total"]) == dirs
+    for d in dirs:  # the same engine0/rank0 in every directory; snapshots in the first only
+        files = sorted(p.name for p in (tmp_path / d / "engine0" / "rank0").iterdir())
+        expected = ["blocks.bin", "checksums.snapshot", "tokens.snapshot"] if d == dirs[0] \
+            else ["blocks.bin"]
+        assert [f for f in files if not f.startswith(".")] == expected
+
+    with LLM(cfg(dirs)) as llm:
+        tiers = tier_stats(llm)
+        assert len(tiers.disk.entries) > 0  # recovered through the striped layout
+        assert generate(llm, SECOND) == references[3:]
+        assert tiers.disk.num_hits > 0 and tiers.stats.num_checksum_failures == 0
+        read = llm.engine.kv_tier_stats()["kv_tier_disk_dir_read_bytes_total"]
+        assert sum(read.values()) == llm.engine.kv_tier_stats()["kv_tier_disk_read_bytes_total"]
+        assert sum(read.values()) > 0
+
+    # Another count or order: the first directory's snapshot is another layout's. Another first
+    # directory: the old first one's snapshot is removed (its blocks are about to be overwritten).
+    a, b, c = dirs
+    for changed, words in (([b, a, c], "came first in --disk-kv-dir"),
+                           ([a, b, c], "came first in --disk-kv-dir"),  # a's blocks were b,a,c's
+                           ([a, b], "another model or KV layout"),
+                           ([a, c, b], "another model or KV layout")):
+        caplog.clear()
+        with LLM(cfg(changed)) as llm:
+            tiers = tier_stats(llm)
+            assert len(tiers.disk.entries) == 0  # nothing misread
+            assert generate(llm, SECOND) == references[3:]
+            assert tiers.stats.num_checksum_failures == 0
+        assert words in " ".join(r.getMessage() for r in caplog.records), changed
+
+
 @pytest.mark.multiproc
 def test_tp2_spills_to_host_and_disk_and_matches_transformers(model_dir, references, tmp_path):
     cfg = config(model_dir, tp_size=2, host_kv_blocks=6, disk_kv_dir=str(tmp_path / "kv"),
