@@ -82,12 +82,14 @@ class BlockCopier:
         """Copy host slots to device blocks (``(slot, block, expected checksum)``) and check the
         bytes against the checksum: True where the block was written intact, False where the bytes
         did not match, None where the copy failed. On a False or None the destination block must
-        not be attended to: host hashing leaves it alone, device hashing has written the bad
-        bytes into it (a fresh block of a restore, recomputed before anyone reads it)."""
+        not be attended to: CPU pools and device hashing copy before they check, so it may hold
+        the bad bytes (a fresh block of a restore, recomputed before anyone reads it); CUDA pools
+        hashed on the host check first and leave it alone. An item without a checksum is refused
+        before any copy."""
         if self._hasher is not None:
             return self._copy_in_verified_on_device(items)
         if not self.is_cuda:
-            return self._parallel(self._verify_and_copy_in, items)
+            return self._parallel(self._copy_in_and_verify, items)
         intact = self._parallel(self._verify, items)
         written: List[Optional[bool]] = [
             _guarded(self._tensor_copy_in, (slot, block)) if ok else ok
@@ -166,12 +168,15 @@ class BlockCopier:
         slot, _, expected = item
         return expected is not None and self._slot_checksum(slot) == expected
 
-    def _verify_and_copy_in(self, item: Tuple[int, int, Optional[int]]) -> bool:
-        if not self._verify(item):  # hashing first leaves the bytes in cache for the copy
+    def _copy_in_and_verify(self, item: Tuple[int, int, Optional[int]]) -> bool:
+        """Copy, then hash the slot while the copy has left it in cache: the bytes come from
+        memory once (hashing first read them twice: 0.57-0.61 of a plain copy's speed per core
+        against 0.69-0.70 measured here)."""
+        slot, block, expected = item
+        if expected is None:
             return False
-        slot, block, _ = item
         np.copyto(self._device_rows(block), self._host_rows(slot))
-        return True
+        return self._slot_checksum(slot) == expected
 
     def _tensor_copy_out(self, pair: Tuple[int, int]) -> bool:
         block, slot = pair

@@ -45,8 +45,10 @@ def test_a_failing_block_fails_alone_and_corrupt_bytes_are_refused():
         assert sums[1] is None and None not in (sums[0], sums[2])
         host.slot(2)[5] ^= 0xFF
         before = kv.data.clone()
-        assert copier.copy_in([(0, 3, sums[0]), (2, 4, sums[2])]) == [True, False]
-        assert torch.equal(kv.data[:, :, 16:20], before[:, :, 16:20])  # block 4 left alone
+        assert copier.copy_in([(0, 3, sums[0]), (2, 4, sums[2]), (0, 5, None)]) == [
+            True, False, False]
+        assert torch.equal(kv.data[:, :, 12:16], before[:, :, 0:4])  # block 3 = block 0
+        assert torch.equal(kv.data[:, :, 20:24], before[:, :, 20:24])  # no checksum, no copy
     finally:
         copier.close()
         host.close()
