@@ -5,11 +5,11 @@ Three parts, in one process, one after another:
 (a) Host copies. One rank's tier machinery (``KVCache``, ``HostBuffer``, ``TransferEngine``) with
     the KV shape of ``--model`` at TP 1 moves ``--copy-blocks`` blocks per batch: one ``submit`` of
     that many ``Spill`` ops (device -> host, each block's xxh3 checksum computed), wait; then as
-    many ``Restore`` ops (host -> device, checksums verified first). The baseline is a plain
-    ``dst.copy_(src)`` of contiguous float32 tensors of exactly the same total bytes. Tier and
-    baseline alternate (which runs first alternates too), ``--repeats`` times after one warm-up
-    round; medians are reported.
-    ``host_copy_ratio`` is the lower of the two directions' ratios (tier GB/s / plain GB/s).
+    many ``Restore`` ops (host -> device, each block checked against its checksum). The baseline
+    is a plain ``dst.copy_(src)`` of contiguous float32 tensors of exactly the same total bytes.
+    Tier and baseline alternate (which runs first alternates too), ``--repeats`` times after one
+    warm-up round; medians are reported. ``host_copy_ratio`` is the lower of the two directions'
+    ratios (tier GB/s / plain GB/s).
 (b) Disk. ``--disk-blocks`` consecutive disk slots written from and read back into host slots
     through the same ``TransferEngine`` (``WriteDisk`` / ``ReadDisk``: ``DiskStore`` coalesces
     them into 8 MiB ``O_DIRECT`` calls; reads verify checksums), against a raw loop over the same
