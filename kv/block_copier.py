@@ -4,11 +4,11 @@ A device block is ``2 * num_layers`` strided rows of ``block_size * H * D`` elem
 (``[L, 2, slots, H, D]``); a host slot holds the same rows back to back. Which checksum and where
 it runs is the ``BlockChecksum`` strategy (``kv/block_checksum.py``):
 
-- Host hashing (CPU pools; CUDA pools without CuPy). On CPU the blocks of a batch are split over a
-  few threads, each copying a block and hashing it while it is still in cache (numpy byte copies
-  and xxh3 both release the GIL), so a batch costs about one pass over memory rather than a copy
-  pass plus a hashing pass. On CUDA the copies run on the caller's copy stream from pinned memory;
-  the host hashes once the stream has finished.
+- Host hashing (CPU pools; CUDA pools without CuPy). On CPU the blocks of a batch are shared by a
+  few threads (each takes the next block when done), each copying a block and hashing it while it
+  is still in cache (numpy byte copies and xxh3 both release the GIL), so a batch costs about one
+  pass over memory rather than a copy pass plus a hashing pass. On CUDA the copies run on the
+  caller's copy stream from pinned memory; the host hashes once the stream has finished.
 - Device hashing (CUDA with CuPy). A spill hashes its blocks in the pool (one launch for the
   batch) before their copies on the same stream and brings the checksums back in one small copy;
   a restore copies first, hashes the destination blocks, compares on the device and brings the
@@ -20,6 +20,7 @@ Costs: O(bytes) per batch; a failure of one block (an exception) fails only that
 
 from __future__ import annotations
 
+import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
@@ -81,12 +82,14 @@ class BlockCopier:
         """Copy host slots to device blocks (``(slot, block, expected checksum)``) and check the
         bytes against the checksum: True where the block was written intact, False where the bytes
         did not match, None where the copy failed. On a False or None the destination block must
-        not be attended to: host hashing leaves it alone, device hashing has written the bad
-        bytes into it (a fresh block of a restore, recomputed before anyone reads it)."""
+        not be attended to: CPU pools and device hashing copy before they check, so it may hold
+        the bad bytes (a fresh block of a restore, recomputed before anyone reads it); CUDA pools
+        hashed on the host check first and leave it alone. An item without a checksum is refused
+        before any copy."""
         if self._hasher is not None:
             return self._copy_in_verified_on_device(items)
         if not self.is_cuda:
-            return self._parallel(self._verify_and_copy_in, items)
+            return self._parallel(self._copy_in_and_verify, items)
         intact = self._parallel(self._verify, items)
         written: List[Optional[bool]] = [
             _guarded(self._tensor_copy_in, (slot, block)) if ok else ok
@@ -165,12 +168,15 @@ class BlockCopier:
         slot, _, expected = item
         return expected is not None and self._slot_checksum(slot) == expected
 
-    def _verify_and_copy_in(self, item: Tuple[int, int, Optional[int]]) -> bool:
-        if not self._verify(item):  # hashing first leaves the bytes in cache for the copy
+    def _copy_in_and_verify(self, item: Tuple[int, int, Optional[int]]) -> bool:
+        """Copy, then hash the slot while the copy has left it in cache: the bytes come from
+        memory once (hashing first read them twice: 0.57-0.61 of a plain copy's speed per core
+        against 0.69-0.70 measured here)."""
+        slot, block, expected = item
+        if expected is None:
             return False
-        slot, block, _ = item
         np.copyto(self._device_rows(block), self._host_rows(slot))
-        return True
+        return self._slot_checksum(slot) == expected
 
     def _tensor_copy_out(self, pair: Tuple[int, int]) -> bool:
         block, slot = pair
@@ -211,18 +217,22 @@ class BlockCopier:
     # ----- threads -----
 
     def _parallel(self, fn: Callable[[T], R], items: Sequence[T]) -> List[Optional[R]]:
-        """``fn`` over ``items`` on the copier's threads (interleaved shares, one task per
-        thread); an item whose call raises gets None (logged)."""
+        """``fn`` over ``items`` on the copier's threads; an item whose call raises gets None
+        (logged). Each thread takes the next item as it finishes one, not a fixed share: on a
+        busy host a thread can lose its core for a scheduler slice mid-batch, and the other
+        threads then carry on with the rest instead of waiting (measured on 2 cores shared with
+        other jobs: restores of 256 blocks 0.61-0.90 of a plain copy_ against 0.41-0.72 with
+        fixed interleaved shares)."""
         if len(items) <= 1 or self._num_threads == 1:
             return [_guarded(fn, item) for item in items]
-        shares = [range(i, len(items), self._num_threads) for i in range(self._num_threads)]
         results: List[Optional[R]] = [None] * len(items)
+        next_index = itertools.count().__next__  # atomic: one C call under the GIL
 
-        def run(share: range) -> None:
-            for index in share:
+        def run() -> None:
+            while (index := next_index()) < len(items):
                 results[index] = _guarded(fn, items[index])
 
-        for future in [self._pool.submit(run, share) for share in shares]:
+        for future in [self._pool.submit(run) for _ in range(self._num_threads)]:
             future.result()
         return results
 

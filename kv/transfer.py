@@ -10,8 +10,8 @@ rank which tickets are done on all ranks and the worst status any rank saw for e
 
 The worker keeps a checksum table per tier (slot -> tag, checksum of the bytes written there) and
 refuses bytes whose tag or checksum no longer match. A failed op leaves its destination slot
-without an entry (a failed restore leaves its device block unwritten), so later ops that name that
-slot fail too instead of moving garbage.
+without an entry (a failed restore's device block may hold the bad bytes and is not attended
+to), so later ops that name that slot fail too instead of moving garbage.
 
 Failures come in two kinds. Expected ones (an I/O error, a block's copy failing, bytes that do
 not match) fail their ops only, as statuses, and the blocks are recomputed. Anything that escapes

@@ -5,15 +5,16 @@ Three parts, in one process, one after another:
 (a) Host copies. One rank's tier machinery (``KVCache``, ``HostBuffer``, ``TransferEngine``) with
     the KV shape of ``--model`` at TP 1 moves ``--copy-blocks`` blocks per batch: one ``submit`` of
     that many ``Spill`` ops (device -> host, each block's xxh3 checksum computed), wait; then as
-    many ``Restore`` ops (host -> device, checksums verified first). The baseline is a plain
-    ``dst.copy_(src)`` of contiguous float32 tensors of exactly the same total bytes. Tier and
-    baseline alternate, ``--repeats`` times after one warm-up round; medians are reported.
-    ``host_copy_ratio`` is the lower of the two directions' ratios (tier GB/s / plain GB/s).
+    many ``Restore`` ops (host -> device, each block checked against its checksum). The baseline
+    is a plain ``dst.copy_(src)`` of contiguous float32 tensors of exactly the same total bytes.
+    Tier and baseline alternate (which runs first alternates too), ``--repeats`` times after one
+    warm-up round; medians are reported. ``host_copy_ratio`` is the lower of the two directions'
+    ratios (tier GB/s / plain GB/s).
 (b) Disk. ``--disk-blocks`` consecutive disk slots written from and read back into host slots
     through the same ``TransferEngine`` (``WriteDisk`` / ``ReadDisk``: ``DiskStore`` coalesces
     them into 8 MiB ``O_DIRECT`` calls; reads verify checksums), against a raw loop over the same
     bytes on the same filesystem: a separate ``O_DIRECT`` file, ``os.pwrite`` then ``os.preadv``
-    of 8 MiB chunks from / into an ``aligned_buffer``. Alternated and reported like (a);
+    of 8 MiB chunks from / into the tier's own host buffer. Alternated and reported like (a);
     ``disk_ratio`` is the lower of the write and read ratios. Nothing is synced in either.
 (c) Trace replay through the real engine (``LLMEngine``) of a Mooncake-format JSONL trace
     (``{"timestamp", "input_length", "output_length", "hash_ids"}``, one hash id per 512-token
@@ -36,6 +37,9 @@ Three parts, in one process, one after another:
     ``--workload hot_prompts`` replays the synthetic workload of ``scripts/tier_workloads.py``
     (Zipf-popular system prompts, each followed by a one-off document) instead of the trace.
 
+``--parts a,b`` runs the bandwidth parts only (their code is ``scripts/tier_bandwidth.py``);
+``--parts c`` the replay only.
+
 The last line printed is one JSON object with every figure.
 """
 
@@ -45,12 +49,11 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -62,15 +65,10 @@ for _path in (REPO, REPO / "scripts"):  # run from anywhere, or imported by path
 
 import torch  # noqa: E402
 
-from kv.checksum import block_checksum  # noqa: E402
-from kv.disk_store import DiskStore, aligned_buffer  # noqa: E402
-from kv.host_buffer import HostBuffer  # noqa: E402
-from kv.kv_cache import KVCache, KVCacheSpec  # noqa: E402
-from kv.tier_ops import OpStatus, ReadDisk, Restore, Spill, WriteDisk  # noqa: E402
-from kv.transfer import TransferEngine  # noqa: E402
 from workers.default_model import resolve_model_path  # noqa: E402
 from workers.model_config import ModelConfig, load_model_config  # noqa: E402
 
+from tier_bandwidth import TARGET_COPY_RATIO, TARGET_DISK_RATIO, run_copies, run_disk  # noqa
 from traces import (MOONCAKE_BLOCK_TOKENS, MOONCAKE_SYNTHETIC_TRACE, BlockTokens,  # noqa: E402
                     TraceError, TraceRequest, conversation_ids, ideal_hit_rate, read_mooncake,
                     sample_conversations)
@@ -80,9 +78,6 @@ from tier_replay import (MIN_TOKEN_ID, TierSizes, engine_config, figures_of,  # 
 from tier_workloads import WORKLOADS, hot_prompts  # noqa: E402
 
 DEFAULT_TRACE = MOONCAKE_SYNTHETIC_TRACE
-IO_CHUNK_BYTES = 8 << 20  # the raw loop's call size, equal to DiskStore's max_io_bytes
-TARGET_COPY_RATIO = 0.8
-TARGET_DISK_RATIO = 0.8
 TARGET_HIT_OF_IDEAL = 0.95
 TARGET_TTFT_GAIN = 0.20
 DEFAULT_CONFIGS = ("device_only", "lru", "lru_selective", "lru_write_back", "hotness_write_back")
@@ -99,152 +94,7 @@ class BenchInputError(ValueError):
     """Bad input from the command line; printed without a traceback (as is a ``TraceError``)."""
 
 
-# ----- (a) and (b): bandwidth -----
-
-
-def kv_spec(model: ModelConfig, num_blocks: int, block_size: int) -> KVCacheSpec:
-    """One rank's KV pool shape at TP 1, in fp32 (what the engine uses on CPU)."""
-    return KVCacheSpec(num_layers=model.num_layers, num_blocks=num_blocks, block_size=block_size,
-                       num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                       dtype=torch.float32)
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
-
-
-def _run_ops(transfer: TransferEngine, ops: list) -> None:
-    transfer.submit(ops)
-    results = transfer.agree(None, wait=True)
-    bad = [s for s in results.statuses if s is not OpStatus.OK]
-    if len(results.statuses) != len(ops) or bad:
-        raise RuntimeError(f"{type(ops[0]).__name__} batch: {len(bad)} of {len(ops)} ops failed "
-                           f"({sorted({s.name for s in bad})})")
-
-
-def compare(pairs: Dict[str, Tuple[Callable[[], None], Callable[[], None]]], num_bytes: int,
-            repeats: int) -> Dict[str, Tuple[float, float]]:
-    """Per direction: median GB/s of (tier, baseline), alternated, after one warm-up round."""
-    times: Dict[str, Tuple[List[float], List[float]]] = {k: ([], []) for k in pairs}
-    for round_index in range(repeats + 1):
-        for name, (tier, base) in pairs.items():
-            tier_s, base_s = _timed(tier), _timed(base)
-            if round_index:
-                times[name][0].append(tier_s)
-                times[name][1].append(base_s)
-    return {name: (num_bytes / statistics.median(t) / 1e9, num_bytes / statistics.median(b) / 1e9)
-            for name, (t, b) in times.items()}
-
-
-def bench_host_copies(spec: KVCacheSpec, repeats: int) -> Dict[str, Tuple[float, float]]:
-    n = spec.num_blocks
-    kv = KVCache(spec, torch.device("cpu"))
-    kv.data.normal_()
-    host = HostBuffer(n, spec.bytes_per_block, pin=False)
-    transfer = TransferEngine(kv, host)
-    numel = n * spec.bytes_per_block // 4
-    src, dst = torch.randn(numel), torch.empty(numel)  # the plain copy's contiguous fp32 pair
-    spills = [Spill(b, b, tag=b) for b in range(n)]
-    restores = [Restore(b, b, tag=b) for b in range(n)]
-    try:
-        return compare({"device_to_host": (lambda: _run_ops(transfer, spills),
-                                           lambda: dst.copy_(src)),
-                        "host_to_device": (lambda: _run_ops(transfer, restores),
-                                           lambda: src.copy_(dst))},
-                       n * spec.bytes_per_block, repeats)
-    finally:
-        transfer.close()
-        host.close()
-
-
-def bench_checksum(spec: KVCacheSpec, repeats: int) -> float:
-    """GB/s of xxh3 alone over the same bytes (one thread, from memory): what the tier adds."""
-    host = HostBuffer(spec.num_blocks, spec.bytes_per_block, pin=False)
-    try:
-        host.data.random_(0, 256)
-        views = [host.view(i)[:host.block_nbytes] for i in range(spec.num_blocks)]
-        times = [_timed(lambda: [block_checksum(v) for v in views]) for _ in range(repeats + 1)]
-        return spec.num_blocks * spec.bytes_per_block / statistics.median(times[1:]) / 1e9
-    finally:
-        host.close()
-
-
-class RawDirectFile:
-    """The baseline of (b): 8 MiB ``pwrite``/``preadv`` calls on an ``O_DIRECT`` file."""
-
-    def __init__(self, path: Path, num_bytes: int) -> None:
-        self.num_bytes = num_bytes
-        self.buffer = aligned_buffer(num_bytes)
-        self.view = memoryview(self.buffer)
-        self.view[:] = os.urandom(num_bytes)
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-        try:
-            self.fd, self.is_direct = os.open(path, flags | os.O_DIRECT, 0o644), True
-        except OSError:
-            self.fd, self.is_direct = os.open(path, flags, 0o644), False
-        os.ftruncate(self.fd, num_bytes)
-
-    def write(self) -> None:
-        self._loop(lambda view, offset: os.pwrite(self.fd, view, offset))
-
-    def read(self) -> None:
-        self._loop(lambda view, offset: os.preadv(self.fd, [view], offset))
-
-    def _loop(self, call: Callable[[memoryview, int], int]) -> None:
-        offset = 0
-        while offset < self.num_bytes:
-            n = call(self.view[offset:min(offset + IO_CHUNK_BYTES, self.num_bytes)], offset)
-            if n <= 0:
-                raise OSError(f"raw O_DIRECT loop: no progress at byte {offset}")
-            offset += n
-
-    def close(self) -> None:
-        os.close(self.fd)
-        self.view.release()
-        self.buffer.close()
-
-
-def bench_disk(spec: KVCacheSpec, directory: Path, repeats: int) -> Tuple[Dict, bool, bool]:
-    """(per direction (tier, raw) GB/s, tier is O_DIRECT, raw loop is O_DIRECT)."""
-    n = spec.num_blocks
-    kv = KVCache(spec, torch.device("cpu"))
-    kv.data.normal_()
-    host = HostBuffer(n, spec.bytes_per_block, pin=False)
-    disk = DiskStore(directory / "tier_blocks.bin", n, host.slot_bytes)
-    transfer = TransferEngine(kv, host, disk)
-    raw = RawDirectFile(directory / "raw_direct.bin", n * host.slot_bytes)
-    try:
-        _run_ops(transfer, [Spill(b, b, tag=b) for b in range(n)])  # host slots need checksums
-        writes = [WriteDisk(s, s, tag=s) for s in range(n)]
-        reads = [ReadDisk(s, s, tag=s) for s in range(n)]
-        result = compare({"write": (lambda: _run_ops(transfer, writes), raw.write),
-                          "read": (lambda: _run_ops(transfer, reads), raw.read)},
-                         n * host.slot_bytes, repeats)
-        return result, disk.is_direct, raw.is_direct
-    finally:
-        transfer.close()
-        disk.close()
-        host.close()
-        raw.close()
-
-
-# ----- reporting -----
-
-
-def print_bandwidth(title: str, result: Dict[str, Tuple[float, float]], base_name: str,
-                    num_bytes: int, repeats: int) -> Dict[str, float]:
-    print(f"\n{title}: {num_bytes / 2**20:.0f} MiB per batch, median of {repeats} after a warm-up")
-    print(f"  {'direction':<16}{'tier GB/s':>11}{base_name + ' GB/s':>18}{'ratio':>8}")
-    ratios = {}
-    for name, (tier, base) in result.items():
-        ratios[name] = tier / base
-        print(f"  {name:<16}{tier:>11.2f}{base:>18.2f}{ratios[name]:>8.2f}")
-    return ratios
-
-
-# ----- main -----
+# ----- arguments -----
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -321,43 +171,6 @@ def load_model(args: argparse.Namespace) -> ModelConfig:
         return load_model_config(resolve_model_path(args.model))
     except (OSError, ValueError) as exc:
         raise BenchInputError(f"--model {args.model}: {exc}") from None
-
-
-def run_copies(model: ModelConfig, args: argparse.Namespace) -> Dict[str, object]:
-    spec = kv_spec(model, args.copy_blocks, args.block_size)
-    result = bench_host_copies(spec, args.repeats)
-    ratios = print_bandwidth(f"(a) host tier copies ({spec.bytes_per_block / 1024:.0f} KiB per "
-                             f"block, xxh3 checksum per block included) vs plain copy_",
-                             result, "plain copy_", args.copy_blocks * spec.bytes_per_block,
-                             args.repeats)
-    print(f"  host_copy_ratio = the lower of the two: {min(ratios.values()):.2f}", flush=True)
-    checksum_gbps = bench_checksum(spec, args.repeats)
-    print(f"  of which checksums: xxh3 alone over the same bytes runs at {checksum_gbps:.2f} GB/s "
-          f"(one thread, from memory); the tier hashes every block it copies, right after the "
-          f"copy, on {torch.get_num_threads()} threads", flush=True)
-    return {"host_copy_ratio": min(ratios.values()), "checksum_gbps": checksum_gbps,
-            "d2h_gbps": result["device_to_host"][0], "d2h_copy_gbps": result["device_to_host"][1],
-            "h2d_gbps": result["host_to_device"][0], "h2d_copy_gbps": result["host_to_device"][1],
-            "d2h_ratio": ratios["device_to_host"], "h2d_ratio": ratios["host_to_device"],
-            "copy_bytes": args.copy_blocks * spec.bytes_per_block}
-
-
-def run_disk(model: ModelConfig, args: argparse.Namespace, directory: Path) -> Dict[str, object]:
-    spec = kv_spec(model, args.disk_blocks, args.block_size)
-    result, tier_direct, raw_direct = bench_disk(spec, directory, args.repeats)
-    num_bytes = args.disk_blocks * -(-spec.bytes_per_block // 4096) * 4096
-    ratios = print_bandwidth(f"(b) disk tier ({directory}) vs raw O_DIRECT loop of 8 MiB calls",
-                             result, "raw O_DIRECT", num_bytes, args.repeats)
-    print(f"  disk_ratio = the lower of the two: {min(ratios.values()):.2f}; O_DIRECT in use: "
-          f"tier {tier_direct}, raw loop {raw_direct}"
-          + ("" if tier_direct and raw_direct else " (buffered fallback: page cache numbers)"),
-          flush=True)
-    return {"disk_ratio": min(ratios.values()),
-            "disk_write_gbps": result["write"][0], "disk_write_raw_gbps": result["write"][1],
-            "disk_read_gbps": result["read"][0], "disk_read_raw_gbps": result["read"][1],
-            "disk_write_ratio": ratios["write"], "disk_read_ratio": ratios["read"],
-            "disk_bytes": num_bytes, "disk_is_direct": tier_direct,
-            "disk_raw_is_direct": raw_direct}
 
 
 def sample_rows(rows: List[TraceRequest], args: argparse.Namespace) -> List[TraceRequest]:
@@ -477,7 +290,8 @@ def _met(flag: bool) -> str:
 
 def run(args: argparse.Namespace) -> Dict[str, object]:
     started, load_start = time.perf_counter(), os.getloadavg()
-    rows = read_mooncake(args.trace) if args.workload == "trace" else []  # bad files fail first
+    # Bad trace files fail before anything is measured.
+    rows = read_mooncake(args.trace) if "c" in args.parts and args.workload == "trace" else []
     model = load_model(args)
     print(f"machine: {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, load average "
           f"{load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} at start; KV of "

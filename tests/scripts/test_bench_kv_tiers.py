@@ -114,3 +114,21 @@ def test_hot_prompts_reuses_prompts_and_never_documents(bench):
     assert counts[0] > 2 * counts[-1]  # Zipf: the first prompt is the most used
     plain, _ = bench.ideal_hit_rate(rows)
     assert abs(plain - (200 * 4 - len(set(prompts)) * 4) / (200 * 10)) < 1e-9
+
+
+def test_parts_a_b_measure_bandwidth_without_a_trace(tmp_path, tiny_llama):
+    disk_dir = tmp_path / "disk"
+    proc = run_bench("--quick", "--parts", "a,b", "--model", str(tiny_llama),
+                     "--trace", str(tmp_path / "absent.jsonl"), "--disk-dir", str(disk_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["host_copy_ratio"] > 0 and result["disk_ratio"] > 0
+    assert set(result["targets_met"]) == {"host_copy_ratio_ge_0.8", "disk_ratio_ge_0.8"}
+    assert "hit_rate_lru" not in result and "(c)" not in proc.stdout
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_parts_flag_rejects_unknown_parts(bench):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--parts", "a,d"])
+    assert bench.parse_args(["--parts", "b"]).parts == {"b"}
