@@ -75,7 +75,7 @@ from traces import (MOONCAKE_BLOCK_TOKENS, MOONCAKE_SYNTHETIC_TRACE, BlockTokens
 from tier_replay import (MIN_TOKEN_ID, TierSizes, engine_config, figures_of,  # noqa: E402
                          fit_context, parse_config_name, plot_ttft, print_replay, replay,
                          tier_sizes)
-from tier_workloads import WORKLOADS, hot_prompts  # noqa: E402
+from tier_workloads import WORKLOADS, hot_prompts, no_reuse  # noqa: E402
 
 DEFAULT_TRACE = MOONCAKE_SYNTHETIC_TRACE
 TARGET_HIT_OF_IDEAL = 0.95
@@ -102,8 +102,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--parts", default="a,b,c", help="which parts to run: any of a,b,c")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL")
     p.add_argument("--workload", default="trace", choices=WORKLOADS,
-                   help="(c): the --trace file, or the synthetic hot_prompts workload "
-                        "(scripts/tier_workloads.py)")
+                   help="(c): the --trace file, or a synthetic workload (hot_prompts, "
+                        "no_reuse: scripts/tier_workloads.py)")
     p.add_argument("--model", default="default", help="checkpoint directory, or 'default'")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="tiny sizes (tests; a minute or less)")
@@ -114,7 +114,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="fraction of the trace's conversations replayed in (c) (0.05; quick 1)")
     p.add_argument("--requests", type=int, default=None,
                    help="replay this many requests in (c) instead, whole conversations "
-                        "(hot_prompts: 240)")
+                        "(hot_prompts: 240, no_reuse: 120)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help="(c): device_only and <lru|hotness>[_selective|_write_back] configs")
     p.add_argument("--device-frac", type=float, default=0.1,
@@ -176,6 +176,8 @@ def load_model(args: argparse.Namespace) -> ModelConfig:
 def sample_rows(rows: List[TraceRequest], args: argparse.Namespace) -> List[TraceRequest]:
     if args.workload == "hot_prompts":
         return hot_prompts(args.requests or 240, seed=args.seed)
+    if args.workload == "no_reuse":
+        return no_reuse(args.requests or 120)
     if args.requests is not None:
         return sample_conversations(rows, args.seed, num_requests=args.requests)
     return sample_conversations(rows, args.seed, frac=args.root_frac)
@@ -185,6 +187,8 @@ def sample_desc(args: argparse.Namespace, rows: List[TraceRequest]) -> str:
     if args.workload == "hot_prompts":
         return ("hot_prompts (scripts/tier_workloads.py: 32 prompts of 8 blocks, Zipf 1.0, each "
                 "with a one-off document of 24 blocks)")
+    if args.workload == "no_reuse":
+        return "no_reuse (scripts/tier_workloads.py: prompts of 32 one-off blocks)"
     what = (f"{args.requests} requests in whole conversations" if args.requests is not None
             else f"a {args.root_frac:g} sample")
     return (f"{args.trace}: {what} (seed {args.seed}) of the "

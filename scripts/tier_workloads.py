@@ -11,6 +11,9 @@ once)::
     request i:  [ prompt p_i: prompt_blocks ][ document i: doc_blocks, never seen again ]
                  p_i ~ Zipf(s) over num_prompts
 
+``no_reuse``: the same shape with nothing shared (every block one-off): whatever the tiers cost
+here is pure overhead, since nothing they keep is ever asked for again.
+
 Hash ids: prompt ``p`` block ``j`` is ``p * prompt_blocks + j``; documents take ids after every
 prompt block, so no two documents share one.
 """
@@ -22,7 +25,7 @@ from typing import List
 
 from traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
-WORKLOADS = ("trace", "hot_prompts")
+WORKLOADS = ("trace", "hot_prompts", "no_reuse")
 
 
 def hot_prompts(num_requests: int, num_prompts: int = 32, prompt_blocks: int = 8,
@@ -43,3 +46,13 @@ def hot_prompts(num_requests: int, num_prompts: int = 32, prompt_blocks: int = 8
         rows.append(TraceRequest(float(index), len(ids) * MOONCAKE_BLOCK_TOKENS, output_tokens,
                                  tuple(ids)))
     return rows
+
+
+def no_reuse(num_requests: int, num_blocks: int = 32, output_tokens: int = 4
+             ) -> List[TraceRequest]:
+    """``num_requests`` prompts of ``num_blocks`` blocks, no block in two of them."""
+    if min(num_requests, num_blocks, output_tokens) < 1:
+        raise ValueError("no_reuse: every count must be at least 1")
+    return [TraceRequest(float(i), num_blocks * MOONCAKE_BLOCK_TOKENS, output_tokens,
+                         tuple(range(i * num_blocks, (i + 1) * num_blocks)))
+            for i in range(num_requests)]

@@ -191,6 +191,7 @@ def test_tp8_autoscaling_with_tiers_and_monitoring():
     assert (args["tp"], args["groups"], args["host_kv_gb"], args["disk_kv_gb"]) == (8, "1:4", 96,
                                                                                   1500)
     assert args["disk_kv_dir"] == "/mnt/nvme/tpserve-kv" and args["kv_eviction"] == "hotness"
+    assert args["kv_write_policy"] == "write_back"
     assert args["max_num_seqs"] == 256
     mounts = {m["name"]: m["mountPath"] for m in container(group["template"])["volumeMounts"]}
     assert mounts["kv-disk"] == "/mnt/nvme/tpserve-kv"

@@ -98,7 +98,7 @@ maxReplicas: {{ int .maxGroups }}
 {{- if and $disk.enabled (eq $disk.volume "pvc") (not $disk.pvc.claimName) -}}
 {{- fail "serve.tiers.disk.pvc.claimName must be set when serve.tiers.disk.volume is pvc" -}}
 {{- end -}}
-{{- range $key := list "model" "served_model_name" "tp" "groups" "kv_target_occupancy" "device" "kv_cache_gb" "max_model_len" "host_kv_gb" "disk_kv_dir" "disk_kv_gb" "kv_eviction" "api_key_env" "api_key" -}}
+{{- range $key := list "model" "served_model_name" "tp" "groups" "kv_target_occupancy" "device" "kv_cache_gb" "max_model_len" "host_kv_gb" "disk_kv_dir" "disk_kv_gb" "kv_eviction" "kv_write_policy" "api_key_env" "api_key" -}}
 {{- if hasKey $.Values.serve.extraArgs $key -}}
 {{- fail (printf "serve.extraArgs.%s is set by the chart from other values (see values.yaml); remove it" $key) -}}
 {{- end -}}

@@ -38,6 +38,7 @@ applications:
       disk_kv_gb: {{ $serve.tiers.disk.gb }}
       {{- end }}
       kv_eviction: {{ $serve.tiers.eviction | quote }}
+      kv_write_policy: {{ $serve.tiers.writePolicy | quote }}
       {{- if include "tpserve.apiKeySecret" . }}
       api_key_env: TPSERVE_API_KEY
       {{- end }}
