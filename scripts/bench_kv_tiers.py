@@ -114,7 +114,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="fraction of the trace's conversations replayed in (c) (0.05; quick 1)")
     p.add_argument("--requests", type=int, default=None,
                    help="replay this many requests in (c) instead, whole conversations "
-                        "(hot_prompts: 240, no_reuse: 120)")
+                        "(hot_prompts: 160, no_reuse: 120)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help="(c): device_only and <lru|hotness>[_selective|_write_back] configs")
     p.add_argument("--device-frac", type=float, default=0.1,
@@ -175,7 +175,7 @@ def load_model(args: argparse.Namespace) -> ModelConfig:
 
 def sample_rows(rows: List[TraceRequest], args: argparse.Namespace) -> List[TraceRequest]:
     if args.workload == "hot_prompts":
-        return hot_prompts(args.requests or 240, seed=args.seed)
+        return hot_prompts(args.requests or 160, seed=args.seed)
     if args.workload == "no_reuse":
         return no_reuse(args.requests or 120)
     if args.requests is not None:
@@ -185,8 +185,8 @@ def sample_rows(rows: List[TraceRequest], args: argparse.Namespace) -> List[Trac
 
 def sample_desc(args: argparse.Namespace, rows: List[TraceRequest]) -> str:
     if args.workload == "hot_prompts":
-        return ("hot_prompts (scripts/tier_workloads.py: 32 prompts of 8 blocks, Zipf 1.0, each "
-                "with a one-off document of 24 blocks)")
+        return ("hot_prompts (scripts/tier_workloads.py: 24 prompts of 16 blocks, Zipf 1.0, "
+                "each with a one-off document of 12 blocks)")
     if args.workload == "no_reuse":
         return "no_reuse (scripts/tier_workloads.py: prompts of 32 one-off blocks)"
     what = (f"{args.requests} requests in whole conversations" if args.requests is not None

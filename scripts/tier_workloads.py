@@ -28,8 +28,8 @@ from traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 WORKLOADS = ("trace", "hot_prompts", "no_reuse")
 
 
-def hot_prompts(num_requests: int, num_prompts: int = 32, prompt_blocks: int = 8,
-                doc_blocks: int = 24, output_tokens: int = 4, zipf_s: float = 1.0,
+def hot_prompts(num_requests: int, num_prompts: int = 24, prompt_blocks: int = 16,
+                doc_blocks: int = 12, output_tokens: int = 4, zipf_s: float = 1.0,
                 seed: int = 0) -> List[TraceRequest]:
     """The rows of the hot-prompts workload (see the module docstring), one a second."""
     if min(num_requests, num_prompts, prompt_blocks, doc_blocks, output_tokens) < 1:

@@ -132,3 +132,10 @@ def test_parts_flag_rejects_unknown_parts(bench):
     with pytest.raises(SystemExit):
         bench.parse_args(["--parts", "a,d"])
     assert bench.parse_args(["--parts", "b"]).parts == {"b"}
+
+
+def test_no_reuse_shares_no_block(bench):
+    rows = bench.no_reuse(20, num_blocks=5)
+    blocks = [b for r in rows for b in r.hash_ids]
+    assert len(rows) == 20 and len(blocks) == 100 and len(set(blocks)) == 100
+    assert bench.ideal_hit_rate(rows) == (0.0, 0.0)
