@@ -20,6 +20,7 @@ from kv.kv_cache import KVCache, KVCacheSpec
 from kv.tier_ops import TierOpResults
 from parallel.onednn_linear import pack_linear_weights
 from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
+from workers.cpu_malloc import keep_freed_memory
 from workers.loader import load_weights
 from workers.model_config import ModelConfig, load_model_config
 from workers.model_runner import ModelRunner
@@ -77,6 +78,8 @@ def build_rank(config: RankConfig) -> Rank:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = torch.device(config.device)
+    if device.type == "cpu":
+        keep_freed_memory()  # no page faults on each step's large temporaries
     tp = init_tp_group(config.group, device)
     model_config = load_model_config(Path(config.model_dir))
     dtype = getattr(torch, config.dtype)
