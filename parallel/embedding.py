@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.onednn_linear import PackedWeight, dense_or_packed, pack_if_possible
 from parallel.tp_group import TPGroup
 from parallel.weights import TensorSource, copy_checked, set_weight_loader
 
@@ -53,11 +54,19 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary, assembled on rank 0 (None on other ranks)."""
 
+    packed: Optional[PackedWeight] = None
+
+    def pack_weights(self) -> bool:
+        """Multiply with a packed copy of the loaded rows (a tied head keeps the embedding's
+        dense rows for lookups, so this copy is its own)."""
+        self.packed = pack_if_possible(self.weight)
+        return self.packed is not None
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tied word embeddings); nothing is read for the head."""
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
-        local = F.linear(hidden, self.weight)  # [N, rows_per_rank]
+        local = dense_or_packed(hidden, self.weight, self.packed)  # [N, rows_per_rank]
         logits = self.tp.gather_to_first(local)  # [N, rows_per_rank * tp] on rank 0
         return None if logits is None else logits[:, :self.vocab_size]

@@ -5,6 +5,8 @@
   with one all-reduce, and the bias is added once, after the sum.
 
 Each parameter's ``weight_loader`` narrows the checkpoint tensor to the rank's shard while reading.
+Once loaded, ``pack_weights`` may give a layer a oneDNN copy of its shard to multiply with on CPU
+(``parallel/onednn_linear.py``).
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from parallel.onednn_linear import PackedWeight, dense_or_packed, pack_if_possible
 from parallel.tp_group import TPGroup
 from parallel.weights import TensorSource, copy_checked, set_weight_loader
 
@@ -43,6 +45,12 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param((local_out,), dtype, tp.device) if bias else None
         if self.bias is not None:
             set_weight_loader(self.bias, self.load_shard)
+        self.packed: Optional[PackedWeight] = None
+
+    def pack_weights(self) -> bool:
+        """Multiply with a packed copy of the loaded weight from now on, where the CPU allows."""
+        self.packed = pack_if_possible(self.weight)
+        return self.packed is not None
 
     def shard_range(self, shard_id: Optional[int]) -> tuple:
         """(offset in the local parameter, start in the checkpoint tensor, length) of a shard."""
@@ -56,7 +64,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param.data.narrow(0, offset, length), source.read(0, start, length), source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [T, local_out]
+        return dense_or_packed(x, self.weight, self.packed, self.bias)  # [T, local_out]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -104,13 +112,19 @@ class RowParallelLinear(nn.Module):
         self.bias = _param((out_features,), dtype, tp.device) if bias else None
         if self.bias is not None:
             set_weight_loader(self.bias, lambda p, s, _=None: copy_checked(p, s.read(), s))
+        self.packed: Optional[PackedWeight] = None
+
+    def pack_weights(self) -> bool:
+        """Multiply with a packed copy of the loaded shard from now on, where the CPU allows."""
+        self.packed = pack_if_possible(self.weight)
+        return self.packed is not None
 
     def load_weight(self, param: nn.Parameter, source: TensorSource, shard_id=None) -> None:
         start = self.tp.rank * self.local_in
         copy_checked(param, source.read(1, start, self.local_in), source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)  # [T, out] partial sum of this rank's columns
+        out = dense_or_packed(x, self.weight, self.packed)  # [T, out] this rank's partial sum
         out = self.tp.all_reduce(out)
         if self.bias is not None:
             out = out + self.bias

@@ -23,7 +23,8 @@ fp32 weights, in one process, one after another:
 
 The machine's limit (roofline) for tpserve's exact steps. Measured here, in this process: the
 memory read bandwidth ``B`` (sum of a 1 GiB fp32 tensor, best of 3) and the fp32 matmul rate ``R``
-(best of a 2048^3 ``mm`` and a model-shaped linear, best of 3, all of torch's threads: the threads
+(best of a 2048^3 ``mm`` and a model-shaped linear, each through torch's default BLAS and through
+the packed oneDNN linear tpserve runs on CPU, best of 3, all of torch's threads: the threads
 the engine's ranks share), each measured before and after the runs and the better one kept (the
 machine is shared; a load average above the core count means a run got less than all of it, so
 every run prints the load average beside its time). For each executed step with ``T`` new tokens, ``L`` logits and, per
@@ -66,6 +67,7 @@ if str(SCRIPTS) not in sys.path:  # imported by path (tests): the trace readers 
 
 import torch  # noqa: E402
 
+from parallel.onednn_linear import PackedWeight, can_pack  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import StepRecord  # noqa: E402
 from workers.llm import LLM  # noqa: E402
@@ -156,14 +158,24 @@ def measure_read_gbps(gib: float = 1.0) -> float:
 
 
 def measure_matmul_gflops(model: ModelConfig) -> Tuple[float, float]:
-    """fp32 rates of a 2048^3 mm and of the model's MLP up-projection on 2048 tokens."""
+    """fp32 rates of a 2048^3 product and of the model's MLP up-projection on 2048 tokens, each
+    the better of torch's ``mm``/``linear`` and the packed oneDNN linear that tpserve's CPU
+    layers run (``parallel/onednn_linear.py``; on some CPUs twice MKL's rate)."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    square = 2 * 2048 ** 3 / _best_of(lambda: torch.mm(a, b)) / 1e9
+    square = 2 * 2048 ** 3 / min(_best_of(lambda: torch.mm(a, b)), _packed_s(a, b.T)) / 1e9
     x = torch.randn(2048, model.hidden_size)  # [T, H]
     w = torch.randn(model.intermediate_size, model.hidden_size)  # [I, H]
     flops = 2 * 2048 * model.hidden_size * model.intermediate_size
-    shaped = flops / _best_of(lambda: torch.nn.functional.linear(x, w)) / 1e9
+    shaped = flops / min(_best_of(lambda: torch.nn.functional.linear(x, w)), _packed_s(x, w)) / 1e9
     return square, shaped
+
+
+def _packed_s(x: torch.Tensor, weight: torch.Tensor) -> float:
+    """Best time of ``x @ weight.T`` through a packed oneDNN weight (inf where unavailable)."""
+    if not can_pack(weight):
+        return float("inf")
+    packed = PackedWeight(weight)
+    return _best_of(lambda: packed.linear(x))
 
 
 # ----- roofline -----
@@ -512,7 +524,8 @@ def measure_machine(model: ModelConfig, when: str) -> Dict[str, float]:
                "linear_gflops": shaped}
     print(f"machine {when} ({torch.get_num_threads()} torch threads, load average "
           f"{os.getloadavg()[0]:.1f}): read {machine['read_gbps']:.1f} GB/s (1 GiB sum), fp32 "
-          f"matmul {square:.1f} GFLOP/s (2048^3 mm), {shaped:.1f} GFLOP/s (model-shaped linear)",
+          f"matmul {square:.1f} GFLOP/s (2048^3), {shaped:.1f} GFLOP/s (model-shaped linear), "
+          f"each the better of torch's BLAS and oneDNN",
           flush=True)
     return machine
 

@@ -18,7 +18,9 @@ import torch
 from kv.attention_backend import make_attention_backend
 from kv.kv_cache import KVCache, KVCacheSpec
 from kv.tier_ops import TierOpResults
+from parallel.onednn_linear import pack_linear_weights
 from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
+from workers.cpu_malloc import keep_freed_memory
 from workers.loader import load_weights
 from workers.model_config import ModelConfig, load_model_config
 from workers.model_runner import ModelRunner
@@ -76,6 +78,8 @@ def build_rank(config: RankConfig) -> Rank:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = torch.device(config.device)
+    if device.type == "cpu":
+        keep_freed_memory()  # no page faults on each step's large temporaries
     tp = init_tp_group(config.group, device)
     model_config = load_model_config(Path(config.model_dir))
     dtype = getattr(torch, config.dtype)
@@ -83,6 +87,7 @@ def build_rank(config: RankConfig) -> Rank:
     model = model_class(model_config.architecture)(model_config, tp, dtype, config.max_model_len,
                                                    attention)
     load_weights(model, Path(config.model_dir))
+    num_packed = pack_linear_weights(model)  # CPU: oneDNN copies of the loaded shards
     num_kv_heads = model.model.layers[0].self_attn.qkv_proj.num_local_kv_heads
     spec = KVCacheSpec(model_config.num_layers, config.num_kv_blocks, config.block_size,
                        num_kv_heads, model_config.head_dim, dtype)
@@ -95,7 +100,8 @@ def build_rank(config: RankConfig) -> Rank:
         # A transfer may keep a step waiting as long as a collective may, and no longer.
         tiers = build_rank_tiers(config.tiers, kv_cache, tp.rank, tp.cpu_group,
                                  wait_timeout_s=config.group.timeout_s)
-    logger.info("rank %d/%d ready on %s (pid %d)", tp.rank, tp.world_size, device, os.getpid())
+    logger.info("rank %d/%d ready on %s (pid %d, %d linears through oneDNN)", tp.rank,
+                tp.world_size, device, os.getpid(), num_packed)
     return Rank(tp, model_config, runner, tiers)
 
 
