@@ -19,7 +19,7 @@ import torch
 
 from kv.attention_backend import resolve_attention_backend
 from kv.kv_manager import KVUsage
-from kv.tier_ops import TierOpResults
+from kv.tier_ops import TierOp, TierOpResults
 from parallel.tp_group import TPGroupConfig
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
@@ -105,6 +105,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                             self.model_config.shared_window), kv)
+        if kv.tiers is not None:
+            self.scheduler.run_transfers = self._run_transfers_now
         self._requests: Dict[RequestId, List[Request]] = {}  # by the caller's id: its choices
         self._detok: Dict[RequestId, IncrementalDetokenizer] = {}
         self._aborted: List[Request] = []
@@ -268,6 +270,15 @@ class LLMEngine:
         tiers.save_index()
         assert self._tier_config is not None and self._tier_config.disk_dir is not None
         save_token_index(self._tier_config.disk_dir, self._tier_config.identity, tiers)
+
+    def _run_transfers_now(self, ops: Tuple[TierOp, ...]) -> Optional[TierOpResults]:
+        """Every rank runs ``ops`` and waits for all its transfers; the agreed outcomes (the
+        scheduler's hook: restores before the step that needs them)."""
+        plan = StepPlan(tier_ops=ops, wait_transfers=True)
+        with self.rank.tp.counting_errors():
+            self._broadcast(plan)
+        _, results = execute_plan(self.rank, plan)
+        return results
 
     def _drain_transfers(self) -> None:
         """Run every queued transfer to completion and commit it (a plan with nothing to compute)."""

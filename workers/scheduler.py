@@ -31,17 +31,18 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from kv.attention_metadata import first_key_position
 from kv.kv_manager import CachedPrefix, KVCacheManager, KVUsage
 from kv.prefix_hash import extend_block_hashes, hash_block
-from kv.tier_ops import TierOpResults
+from kv.tier_ops import Restore, TierOp, TierOpResults
 from kv.tiers import LowerHit, RestoreChain
 from workers.request import FinishReason, Request, RequestStatus, SwappedTail
 from workers.step_plan import KnownSeqStep, NewSeqStep, SeqStep, StepPlan
 
 logger = logging.getLogger(__name__)
+_NO_PREFIX = CachedPrefix([], 0)  # growing a table that already exists: no cached prefix to take
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,11 @@ class Scheduler:
         self.loading: Dict[Request, _Loading] = {}
         self._freed_seq_ids: List[int] = []
         self.num_preemptions = 0
+        # Runs tier ops on every rank and waits for them (the engine's hook). When set, a step
+        # that starts restores runs its transfers first, so the restored requests compute in
+        # this step rather than the next (see ``_restore_now``).
+        self.run_transfers: Optional[
+            Callable[[Tuple[TierOp, ...]], Optional[TierOpResults]]] = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -126,12 +132,41 @@ class Scheduler:
         if self.num_preemptions == preemptions_before:
             self._admit(budget, steps, scheduled, finished)
         tier_ops = self.kv.tiers.take_ops() if self.kv.tiers is not None else ()
+        if self.run_transfers is not None and any(isinstance(op, Restore) for op in tier_ops):
+            self._restore_now(tier_ops, steps, scheduled)
+            tier_ops = ()
         # Nothing to compute: the ranks wait for the transfers instead of polling them.
         plan = StepPlan(tuple(steps), tuple(self._freed_seq_ids), tier_ops=tier_ops,
                         wait_spill_reads=self._writes_spilling_block(scheduled),
                         wait_transfers=not steps)
         self._freed_seq_ids = []
         return ScheduledStep(plan, tuple(scheduled), tuple(finished))
+
+    def _restore_now(self, tier_ops: Tuple[TierOp, ...], steps: List[SeqStep],
+                     scheduled: List[Tuple[Request, int]]) -> None:
+        """Run this step's transfers on every rank and wait for them before its compute, then
+        schedule the requests they restored into this step, within what is left of the token
+        budget and without preempting anyone (those that do not fit run next step).
+
+        A restore from host is a copy of a few MB (from disk, a read); waiting for it costs far
+        less than the step a restored request would otherwise wait, and its first token comes
+        one step sooner. The transfers queued before the restores (spills) are waited for too:
+        the worker runs them in order."""
+        assert self.run_transfers is not None
+        results = self.run_transfers(tier_ops)
+        num_running = len(self.running)
+        if results is not None:
+            self.update(ScheduledStep(StepPlan(), (), ()), results)
+        budget = self.config.max_num_batched_tokens - sum(n for _, n in scheduled)
+        for request in self.running[num_running:]:  # moved from loading by update
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            target = request.num_computed_tokens + num_new
+            if num_new <= 0 or not self.kv.can_allocate(request.request_id, target, _NO_PREFIX):
+                continue
+            self.kv.allocate(request.request_id, target, _NO_PREFIX)
+            steps.append(self._seq_step(request, num_new))
+            scheduled.append((request, num_new))
+            budget -= num_new
 
     def _writes_spilling_block(self, scheduled: List[Tuple[Request, int]]) -> bool:
         """Whether this step writes KV into a block that a queued spill may still be reading."""

@@ -169,3 +169,37 @@ def test_a_hot_block_evicted_as_a_last_resort_is_found_on_host():
     assert [op.tag for op in step.plan.tier_ops if isinstance(op, Restore)] == [hot]
     assert h.kv.tiers.host.num_hits == 1
     assert c.status == RequestStatus.RUNNING and c.num_computed_tokens == 2  # restored
+
+
+def test_with_the_engines_hook_a_restored_request_computes_in_the_step_that_restores_it():
+    """The hook runs the step's transfers first (every one succeeds here): b's prefix comes back
+    from host and b computes its two new tokens in that same step, beside c."""
+    h = Harness(num_blocks=8)
+    ran = []
+
+    def run_transfers(ops):
+        ran.append(ops)
+        tiers = h.kv.tiers
+        first = tiers.num_committed
+        return TierOpResults(first, (OpStatus.OK,) * (tiers.num_issued - first))
+
+    h.scheduler.run_transfers = run_transfers
+    a = h.add([10, 11, 12, 13, 14, 15])
+    h.step()
+    h.scheduler.finish(a, FinishReason.STOP)
+    h.step()
+    d = h.add(list(range(20, 36)))  # evicts a's blocks from the device
+    h.step()
+    h.scheduler.finish(d, FinishReason.STOP)
+    h.step()
+    c = h.add([40, 41, 42])
+    h.step()
+    b = h.add([10, 11, 12, 13, 14, 15, 16, 17])  # a's prefix: only on host now
+    ran.clear()
+    step = h.step()
+    assert [type(op) for op in ran[0]].count(Restore) == 3
+    assert step.plan.tier_ops == ()  # already run
+    assert {s.seq_id for s in step.plan.seqs} == {b.seq_id, c.seq_id}
+    b_step = next(s for s in step.plan.seqs if s.seq_id == b.seq_id)
+    assert b_step.num_computed == 6 and b_step.token_ids == (16, 17)
+    assert b.status == RequestStatus.RUNNING and b.num_computed_tokens == 8
