@@ -17,7 +17,8 @@ CONFIGS = ("device_only", "lru", "lru_write_back", "hotness_selective")
 REQUIRED_KEYS = (
     "host_copy_ratio", "disk_ratio", "hit_rate_device_only", "hit_rate_lru",
     "hit_rate_lru_write_back", "ttft_ms_device_only", "ttft_ms_lru", "ttft_p99_ms_lru_write_back",
-    "spilled_per_restored_lru", "disk_written_per_hit_lru", "best_config", "targets_met",
+    "spilled_per_restored_lru", "disk_written_per_hit_lru", "configs_meeting_targets",
+    "replay_targets", "targets_met",
 )
 
 
