@@ -13,7 +13,8 @@ decode, a chunk of the prompt for a prefill), all under one token budget:
    allow; each starts after the longest prefix found in the prefix cache. A prefix that
    continues on host or disk is restored first: the request waits in ``loading`` (the others
    keep running) until every rank has its blocks, then runs from the first block that did not
-   come back intact. The choices of an ``n`` > 1 request after the first wait (without blocking
+   come back intact. With the engine's ``run_transfers`` hook, the step that starts restores
+   runs them first and waits, so the restored requests compute in that same step. The choices of an ``n`` > 1 request after the first wait (without blocking
    the queue) until the first has computed the shared prompt, then find its full blocks cached:
    one prefill for all of them.
 
