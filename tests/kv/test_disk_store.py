@@ -22,7 +22,7 @@ def _slot_views(num_slots, fill=None):
     views = [memoryview(buf)[i * SLOT:(i + 1) * SLOT] for i in range(num_slots)]
     if fill is not None:
         for i, view in enumerate(views):
-            view[:] = bytes([fill(i)]) * SLOT
+            view[:] = bytes([fill(i) % 256]) * SLOT
     return views
 
 

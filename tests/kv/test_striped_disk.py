@@ -6,24 +6,13 @@ import os
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-from kv.disk_store import DiskStore, aligned_buffer
+from kv.disk_store import DiskStore
 from kv.striped_disk import StripeLayout, StripedDiskStore, stripe_unit_slots
 
-SLOT = 4096
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _slot_views(num_slots, fill=None):
-    buf = aligned_buffer(num_slots * SLOT)
-    views = [memoryview(buf)[i * SLOT:(i + 1) * SLOT] for i in range(num_slots)]
-    if fill is not None:
-        for i, view in enumerate(views):
-            view[:] = bytes([fill(i) % 256]) * SLOT
-    return views
+from test_disk_store import REPO_ROOT, SLOT, _slot_views
 
 
 def _paths(tmp_path, n):
