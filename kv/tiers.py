@@ -18,8 +18,9 @@
   there first (inclusive hierarchy: a block read back from disk keeps its disk copy), unless the
   selective policy finds it hit fewer than ``write_threshold`` times.
 - A prefix that misses on the device and hits below is restored: disk blocks are read into host
-  slots, host blocks copied into fresh device blocks. The request waits (``RestoreChain``) while
-  the others run; it uses the restored blocks up to the first one whose checksum failed.
+  slots, host blocks copied into fresh device blocks. The request waits for its
+  ``RestoreChain`` (the engine runs a step's restores before its compute, so usually not past
+  that step); it uses the restored blocks up to the first one whose checksum failed.
 - Failures: a checksum mismatch or an I/O error drops the block (and, for a restore, the blocks
   after it in the chain) from every lower tier, is counted, and the tokens are recomputed.
 

@@ -157,9 +157,11 @@ class Scheduler:
         results = self.run_transfers(tier_ops)
         num_running = len(self.running)
         if results is not None:
-            self.update(ScheduledStep(StepPlan(), (), ()), results)
+            assert self.kv.tiers is not None
+            self.kv.tiers.commit(results)
+            self._finish_loading()
         budget = self.config.max_num_batched_tokens - sum(n for _, n in scheduled)
-        for request in self.running[num_running:]:  # moved from loading by update
+        for request in self.running[num_running:]:  # moved from loading just now
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             target = request.num_computed_tokens + num_new
             if num_new <= 0 or not self.kv.can_allocate(request.request_id, target, _NO_PREFIX):
