@@ -6,10 +6,14 @@ Three parts, in one process, one after another:
     the KV shape of ``--model`` at TP 1 moves ``--copy-blocks`` blocks per batch: one ``submit`` of
     that many ``Spill`` ops (device -> host, each block's xxh3 checksum computed), wait; then as
     many ``Restore`` ops (host -> device, each block checked against its checksum). The baseline
-    is a plain ``dst.copy_(src)`` of contiguous float32 tensors of exactly the same total bytes.
-    Tier and baseline alternate (which runs first alternates too), ``--repeats`` times after one
-    warm-up round; medians are reported. ``host_copy_ratio`` is the lower of the two directions'
-    ratios (tier GB/s / plain GB/s).
+    is one plain ``copy_`` of the same blocks between the same pool and host buffer (permuted
+    views: the same bytes and pages, torch's threads, no checksum); a ``copy_`` between two fresh
+    contiguous float32 tensors of the same size is printed too, for information (its pages moved
+    17.5 GB/s one way and 30.5 the other in one run here: it measures pages, not the tier).
+    The contenders take turns (which runs first rotates), each after a 10 ms pause (torch's
+    OpenMP workers spin for milliseconds after a ``copy_``; see ``scripts/tier_bandwidth.py``),
+    ``--repeats`` times after one warm-up round; medians are reported. ``host_copy_ratio`` is
+    the lower of the two directions' ratios (tier GB/s / same-buffer ``copy_`` GB/s).
 (b) Disk. ``--disk-blocks`` consecutive disk slots written from and read back into host slots
     through the same ``TransferEngine`` (``WriteDisk`` / ``ReadDisk``: ``DiskStore`` coalesces
     them into 8 MiB ``O_DIRECT`` calls; reads verify checksums), against a raw loop over the same
