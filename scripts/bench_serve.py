@@ -18,7 +18,8 @@ content; ``traces.py`` reads both):
   hash ids share real prompt prefixes. ``--system-prompt-blocks`` shared blocks go in front of
   every prompt (a system prompt, as agent and chat traces have). ``--requests`` requests are
   sampled as whole conversations (``traces.sample_conversations``: a request that extends an
-  earlier one's full blocks is its next turn), in trace order.
+  earlier one's full blocks is its next turn), in trace order; ``--min-turns N`` samples only
+  conversations of at least N turns (multi-turn chat, where each turn resends the history).
 * Azure LLM inference CSV: no token contents, every prompt is seeded random token ids.
 
 KV pressure: ``--kv-blocks auto`` (the default) sizes each group's pool so that the working set
@@ -125,6 +126,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="Mooncake JSONL or Azure CSV trace (default: %(default)s)")
     p.add_argument("--requests", "--num-requests", dest="num_requests", type=int, default=80,
                    help="requests replayed, sampled as whole conversations")
+    p.add_argument("--min-turns", type=int, default=1,
+                   help="sample only conversations of at least this many turns (multi-turn chat)")
     p.add_argument("--system-prompt-blocks", type=int, default=8,
                    help="shared hash blocks (512 trace tokens each) in front of every prompt")
     p.add_argument("--arrival", choices=("poisson", "trace"), default="poisson")
@@ -163,8 +166,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    if args.num_requests < 1 or args.prompt_scale < 1 or args.max_output < 1:
-        p.error("--requests, --prompt-scale and --max-output must be at least 1")
+    if min(args.num_requests, args.prompt_scale, args.max_output, args.min_turns) < 1:
+        p.error("--requests, --prompt-scale, --max-output and --min-turns must be at least 1")
     args.rate = _auto_or(p, "--rate", args.rate, float)
     args.kv_blocks = _auto_or(p, "--kv-blocks", args.kv_blocks, int)
     if (args.rate is not None and args.rate <= 0) or args.time_scale <= 0 or args.load <= 0:
@@ -211,7 +214,8 @@ def prepare(args: argparse.Namespace) -> Workload:
     """Sampled, scaled requests (arrivals at rate 1/s until --rate auto sets it), the pool."""
     trace_format, rows = read_trace(args.trace)
     rows = with_system_prompt(rows, args.system_prompt_blocks if trace_format == "mooncake" else 0)
-    rows = sample_conversations(rows, args.seed, num_requests=args.num_requests)
+    rows = sample_conversations(rows, args.seed, num_requests=args.num_requests,
+                                min_turns=args.min_turns)
 
     from workers.default_model import resolve_model_path
     from workers.model_config import load_model_config
@@ -228,6 +232,7 @@ def prepare(args: argparse.Namespace) -> Workload:
     meta = {
         "trace": str(args.trace), "trace_format": trace_format, "seed": args.seed,
         "num_requests": len(requests), "num_conversations": len(set(conversation_ids(rows))),
+        "min_turns": args.min_turns,
         "system_prompt_blocks": args.system_prompt_blocks if trace_format == "mooncake" else 0,
         "model": model_dir.name, "dtype": "float32 on CPU" if engine_is_cpu() else
         "checkpoint dtype on CUDA", "tp": args.tp, "groups": args.groups,

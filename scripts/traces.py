@@ -213,25 +213,32 @@ def _prefix_keys(hash_ids: Sequence[int]) -> List[int]:
 
 def sample_conversations(rows: Sequence[TraceRequest], seed: int,
                          num_requests: Optional[int] = None,
-                         frac: Optional[float] = None) -> List[TraceRequest]:
+                         frac: Optional[float] = None,
+                         min_turns: int = 1) -> List[TraceRequest]:
     """A seeded subset of whole conversations (`conversation_ids`), in trace order.
 
-    ``frac``: that fraction of the conversations (at least one). ``num_requests``: exactly that
-    many requests (all of them if the trace has fewer): conversations in a seeded order, each
-    taken whole if it fits in the room left, else skipped; if room is left at the end, the first
-    turns of the first skipped conversation fill it (a conversation cut after a turn is still a
-    conversation: only later turns are missing). One of the two must be given."""
+    Only conversations of at least ``min_turns`` turns take part (multi-turn chat: each turn
+    carries the conversation so far); ValueError when there is none. ``frac``: that fraction of
+    them (at least one). ``num_requests``: exactly that many requests (all of theirs if they have
+    fewer): conversations in a seeded order, each taken whole if it fits in the room left, else
+    skipped; if room is left at the end, the first turns of the first skipped conversation fill
+    it (a conversation cut after a turn is still a conversation: only later turns are missing).
+    One of the two must be given."""
     if (num_requests is None) == (frac is None):
         raise ValueError("sample_conversations: give exactly one of num_requests and frac")
     members: Dict[int, List[int]] = {}
     for index, conversation in enumerate(conversation_ids(rows)):
         members.setdefault(conversation, []).append(index)
+    members = {c: turns for c, turns in members.items() if len(turns) >= min_turns}
+    if not members:
+        raise ValueError(f"sample_conversations: the trace has no conversation of at least "
+                         f"{min_turns} turns")
     order = sorted(members)
     random.Random(seed).shuffle(order)
     if frac is not None:
         kept = [i for c in order[:max(1, round(frac * len(order)))] for i in members[c]]
         return [rows[i] for i in sorted(kept)]
-    room = min(num_requests, len(rows))
+    room = min(num_requests, sum(len(turns) for turns in members.values()))
     kept, skipped = [], []
     for conversation in order:
         if len(members[conversation]) <= room - len(kept):

@@ -238,7 +238,9 @@ def test_rate_and_sizes_take_auto_or_a_number(bench):
                              "--requests", "40"])
     assert (args.rate, args.kv_blocks, args.targets) == (1.5, 300, [0.5, 0.9])
     assert args.calibration_requests == 10
-    for bad in (["--rate", "fast"], ["--routers", "kv,random"], ["--target", "1.5"]):
+    assert bench.parse_args(["--min-turns", "3"]).min_turns == 3
+    for bad in (["--rate", "fast"], ["--routers", "kv,random"], ["--target", "1.5"],
+                ["--min-turns", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 

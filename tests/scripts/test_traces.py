@@ -157,6 +157,18 @@ def test_sample_keeps_whole_conversations_and_respects_n(traces):
     assert traces.sample_conversations(rows, 0, num_requests=100) == rows
 
 
+def test_sample_min_turns_keeps_only_conversations_that_long(traces):
+    rows = shared_root_trace(traces)  # conversations of 3, 2 and 1 turns
+    ids = traces.conversation_ids(rows)
+    for seed in range(4):
+        subset = traces.sample_conversations(rows, seed, num_requests=5, min_turns=2)
+        assert sorted(ids[rows.index(r)] for r in subset) == [0, 0, 0, 1, 1]
+    assert [ids[rows.index(r)] for r in
+            traces.sample_conversations(rows, 0, frac=1.0, min_turns=3)] == [0, 0, 0]
+    with pytest.raises(ValueError, match="no conversation of at least 4 turns"):
+        traces.sample_conversations(rows, 0, num_requests=2, min_turns=4)
+
+
 def test_sample_by_fraction_of_conversations(traces):
     rows = [request(traces, (root, 100 + i)) for i, root in enumerate([1, 2, 1, 3, 2, 1])]
     assert len(set(traces.conversation_ids(rows))) == 6  # full single blocks: none extends
