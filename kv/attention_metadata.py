@@ -73,6 +73,9 @@ class PrefillSlice:
     end: int
     kv_slots: torch.Tensor  # [K] slots of the keys its queries may see, in position order
     mask: Optional[torch.Tensor]  # [1, 1, query_len, K]; None: plain causal
+    # Keys before the chunk that every query sees (a cached prefix, no window cutting it): then
+    # the mask is exactly "all of those, causal over the rest", which a backend may split.
+    num_prefix_keys: int = 0
 
 
 @dataclass(frozen=True)
@@ -159,14 +162,18 @@ def _build_prefill(seq: SeqSlice, start: int, block_size: int, device: torch.dev
         list(seq.block_ids[first_block:-(-seq.context_len // block_size)]), dtype=torch.long)
     kv_slots = blocks[key_pos // block_size - first_block] * block_size + key_pos % block_size
     mask = None
+    num_prefix_keys = 0
     windowed = sliding_window is not None and seq.context_len > sliding_window
     if seq.num_computed or windowed:  # a cached prefix shifts the diagonal; a window cuts it
         q_pos = torch.arange(seq.num_computed, seq.context_len)[:, None]  # [q, 1]
         mask = key_pos[None, :] <= q_pos  # [q, K]
         if windowed:
             mask &= key_pos[None, :] > q_pos - sliding_window
+        else:
+            num_prefix_keys = seq.num_computed - first
         mask = to_device(mask[None, None], device)
-    return PrefillSlice(start, start + seq.query_len, to_device(kv_slots, device), mask)
+    return PrefillSlice(start, start + seq.query_len, to_device(kv_slots, device), mask,
+                        num_prefix_keys)
 
 
 def _key_slots(seqs: Sequence[SeqSlice], first: torch.Tensor, max_keys: int,

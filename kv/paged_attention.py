@@ -9,7 +9,9 @@ or at most the sliding window: keys that left the window are not gathered at all
 
 Prefills: one call per sequence over its exact context (no padding), causal without a mask when
 nothing is cached before it. Cost per layer: ``H * query_len * K`` scores, ``K`` the keys its
-queries may see (the context, or the window plus the chunk).
+queries may see (the context, or the window plus the chunk). On CPU a long chunk after a cached
+prefix (no window) is two flash calls instead of one masked one, the prefix unmasked and the
+chunk causal, merged by log-sum-exp: ``H * q * (prefix + q / 2)`` scores.
 """
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ import torch
 import torch.nn.functional as F
 
 from kv.attention_metadata import AttentionBucket, AttentionMetadata, PrefillSlice
+
+# Torch's CPU flash attention with its log-sum-exp (what SDPA calls on CPU); None if this torch
+# lacks it, and the masked call is used.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# The split pays above this many new tokens: torch's CPU kernel tiles keys by 512 for long
+# inputs, so below that its causal call skips nothing. Measured (9 heads of 64, fp32): 0.81-0.88
+# of the masked call's time at 640-1,024 new tokens, 0.95-1.17 at 128-512.
+SPLIT_MIN_QUERY = 512
 
 
 def paged_attention(
@@ -67,10 +77,31 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if group > 1:
         k = k.repeat_interleave(group, dim=0)  # [H, K, D]
         v = v.repeat_interleave(group, dim=0)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=prefill.mask,
-        is_causal=prefill.mask is None, scale=scale)  # [1, H, q, D]
-    return out[0].transpose(0, 1).reshape(-1, num_heads * head_dim)
+    if (prefill.num_prefix_keys and prefill.end - prefill.start > SPLIT_MIN_QUERY
+            and _CPU_FLASH is not None and not query.is_cuda):
+        out = _attend_prefix_then_causal(q, k, v, prefill.num_prefix_keys, scale)
+    else:
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=prefill.mask,
+            is_causal=prefill.mask is None, scale=scale)[0]  # [H, q, D]
+    return out.transpose(0, 1).reshape(-1, num_heads * head_dim)
+
+
+def _attend_prefix_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               num_prefix: int, scale: float) -> torch.Tensor:
+    """``[H, q, D]`` attention of a chunk over ``num_prefix`` cached keys that every query sees,
+    then causally over its own keys (the last ``q`` of ``k``/``v``, ``[H, K, D]``): two flash
+    calls merged by their log-sum-exps. The masked call it replaces scores all ``q * K`` pairs;
+    this scores ``q * num_prefix + q * q / 2`` (a chunk half cached: 25% fewer)."""
+    batch_q = q.unsqueeze(0)
+    out_prefix, lse_prefix = _CPU_FLASH(  # [1, H, q, D], [1, H, q]
+        batch_q, k[None, :, :num_prefix], v[None, :, :num_prefix], 0.0, False, scale=scale)
+    out_new, lse_new = _CPU_FLASH(
+        batch_q, k[None, :, num_prefix:], v[None, :, num_prefix:], 0.0, True, scale=scale)
+    lse = torch.logaddexp(lse_prefix, lse_new)
+    out = (out_prefix.float() * (lse_prefix - lse).exp().unsqueeze(-1)
+           + out_new.float() * (lse_new - lse).exp().unsqueeze(-1))
+    return out[0].to(q.dtype)
 
 
 def _attend_decodes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

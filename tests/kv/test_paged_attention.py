@@ -8,16 +8,19 @@ import torch
 from attention_reference import dense_reference
 from kv.attention_metadata import SeqSlice, build_attention_metadata
 from kv.kv_cache import write_kv
-from kv.paged_attention import paged_attention
+from kv.paged_attention import SPLIT_MIN_QUERY, paged_attention
 
 
 MIXED = [(9, 1), (0, 11), (6, 7), (14, 1), (0, 1)]
 # More decodes than one bucket holds, of scattered lengths (buckets sort and split them).
 MANY_DECODES = [((i * 7) % 23, 1) for i in range(37)] + [(3, 5)]
+# Chunks after long cached prefixes (on CPU: the prefix and the chunk attended apart, merged).
+LONG_PREFIXES = [(40, 24), (3, 30), (17, 2), (40, SPLIT_MIN_QUERY + 88)]
 
 
 @pytest.mark.parametrize("heads,kv_heads,window,shapes", [
-    (4, 4, None, MIXED), (4, 2, None, MIXED), (6, 1, 5, MIXED), (4, 2, None, MANY_DECODES)])
+    (4, 4, None, MIXED), (4, 2, None, MIXED), (6, 1, 5, MIXED), (4, 2, None, MANY_DECODES),
+    (4, 2, None, LONG_PREFIXES), (4, 4, 50, LONG_PREFIXES)])
 def test_paged_matches_dense(heads, kv_heads, window, shapes):
     torch.manual_seed(0)
     rng = random.Random(0)
@@ -50,4 +53,13 @@ def test_paged_matches_dense(heads, kv_heads, window, shapes):
                           for q, k, v, s in zip(queries, full_k, full_v, seqs)])
     assert out.shape == expected.shape
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert meta.positions.tolist()[:2] == [shapes[0][0], shapes[1][0]]
+    firsts = [sum(q_len for _, q_len in shapes[:i]) for i in range(len(shapes))]
+    assert [meta.positions.tolist()[i] for i in firsts] == [c for c, _ in shapes]
+
+
+def test_a_cached_prefix_is_split_off_only_where_no_window_cuts_it():
+    seqs = [SeqSlice(24, 40, list(range(16))), SeqSlice(5, 0, [20, 21])]
+    plain = build_attention_metadata(seqs, 4, torch.device("cpu"), None)
+    assert [p.num_prefix_keys for p in plain.prefills] == [40, 0]
+    windowed = build_attention_metadata(seqs, 4, torch.device("cpu"), 50)
+    assert [p.num_prefix_keys for p in windowed.prefills] == [0, 0]  # 64 > 50: the window cuts
