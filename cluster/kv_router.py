@@ -59,7 +59,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, FrozenSet, List, Mapping, Optional, Tuple
+from typing import Any, Deque, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.config import RequestRouterConfig
@@ -111,6 +111,8 @@ LOAD_AGE_REFRESH_S = 0.5
 # reports it routed, so completion cannot clear them; the ones never routed (cancelled while
 # waiting for a replica) leave the oldest-first once this many wait.
 MAX_PENDING_REQUESTS = 4096
+# Block hashes of routed prompts a tracker counts as cached until its TTL (a bound on memory).
+MAX_ROUTED_HASHES = 65536
 
 # The routers of this process; see the module doc for why methods reach these by module name.
 _live_routers: "weakref.WeakSet[KVAwareRouter]" = weakref.WeakSet()
@@ -257,6 +259,10 @@ class ReplicaLoadTracker:
             collections.OrderedDict()
         )
         self.num_tokens_sent = 0
+        # Block hashes of prompts routed here -> when, oldest first: counted as cached for
+        # charge_ttl_s, whatever the reports say (a report lists a prompt's blocks only once
+        # the group has computed them, seconds after a follow-up may need to know).
+        self._routed: "collections.OrderedDict[BlockHash, float]" = collections.OrderedDict()
         self._load: Optional[GroupLoad] = None
         self._load_built_at = 0.0
 
@@ -286,6 +292,21 @@ class ReplicaLoadTracker:
         self.num_tokens_sent += num_tokens
         self._load = None
 
+    def note_routed(self, block_hashes: Sequence[BlockHash], now: float) -> None:
+        """Count ``block_hashes`` (a prompt this group accepted) as cached here from ``now`` on."""
+        routed = self._routed
+        for block_hash in block_hashes:
+            routed[block_hash] = now
+            routed.move_to_end(block_hash)
+        self._expire_routed(now)
+        self._load = None
+
+    def _expire_routed(self, now: float) -> None:
+        routed = self._routed
+        oldest = now - self.charge_ttl_s
+        while routed and (len(routed) > MAX_ROUTED_HASHES or next(iter(routed.values())) < oldest):
+            routed.popitem(last=False)
+
     def release(self, request_id: str) -> None:
         """Take back a charge (the request went elsewhere); no-op if there is none."""
         charge = self._charges.pop(request_id, None)
@@ -311,6 +332,7 @@ class ReplicaLoadTracker:
         charges = self._charges
         while charges and next(iter(charges.values()))[0] < now - self.charge_ttl_s:
             self.num_tokens_sent -= charges.popitem(last=False)[1][1]
+        self._expire_routed(now)
         self._load = None
 
     def _build_load(self, report: LoadReport, now: float) -> GroupLoad:
@@ -324,6 +346,7 @@ class ReplicaLoadTracker:
             report_seq=report.seq,
             report_age_s=max(0.0, now - self._received_at),
             num_tokens_sent_since_report=self.num_tokens_sent,
+            routed_block_hashes=self._routed,
         )
 
 
@@ -335,6 +358,7 @@ class _PendingDecision:
     placements: Optional[List[Placement]]  # None: fallback (reason below)
     fallback_reason: str = NO_REPORT
     charged: Optional[ReplicaID] = None  # the replica charged for it on the decision
+    block_hashes: Tuple[BlockHash, ...] = ()  # its prompt's, noted where it is accepted
 
 
 class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -466,7 +490,8 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         ranks = [[by_group[placement.group_id]] for placement in placements]
         if unreported:
             ranks.append(unreported)
-        return ranks, _PendingDecision(demand.num_tokens, placements)
+        return ranks, _PendingDecision(demand.num_tokens, placements,
+                                       block_hashes=demand.block_hashes)
 
     def _demand(
         self, request_kwargs: Mapping[str, Any], num_tokens: Any, groups_block_size: int
@@ -494,9 +519,13 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 NO_REPORT,
             )
         self._release(decision, request_id)
+        tracker = self._tracker(replica_id)
+        now = time.time()
         if decision.num_tokens:
             # Re-stamped at acceptance: a report taken from now on holds the request.
-            self._tracker(replica_id).charge(request_id, decision.num_tokens, time.time())
+            tracker.charge(request_id, decision.num_tokens, now)
+        if decision.block_hashes:
+            tracker.note_routed(decision.block_hashes, now)
         with self._stats_lock:
             self._decision_counts[reason] += 1
 

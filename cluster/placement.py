@@ -43,7 +43,7 @@ import enum
 from dataclasses import dataclass, field
 from itertools import filterfalse
 from operator import itemgetter
-from typing import FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Container, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
 from kv.prefix_hash import BlockHash
 
@@ -67,7 +67,9 @@ class GroupLoad:
     ``cached_block_hashes`` (chained hashes of its cached full blocks, `kv.prefix_hash`),
     ``report_seq`` and ``report_age_s`` (how old the report was when the router read it). Added by
     the router: ``num_tokens_sent_since_report`` (tokens of requests it routed to the group after
-    the report was taken).
+    the report was taken) and ``routed_block_hashes`` (the hashes of the prompts it routed to the
+    group lately, counted as cached: a conversation's next turn can arrive before the report that
+    lists the turn before it).
     """
 
     group_id: str
@@ -79,6 +81,7 @@ class GroupLoad:
     report_seq: int
     report_age_s: float
     num_tokens_sent_since_report: int = 0
+    routed_block_hashes: Container[BlockHash] = frozenset()
     _num_blocks_committed: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
@@ -129,18 +132,21 @@ class GroupLoad:
         )
 
     def num_cached_prefix_blocks(self, demand: "RequestDemand") -> int:
-        """Count of leading ``demand.block_hashes`` this group has cached (up to the first miss).
+        """Count of leading ``demand.block_hashes`` this group has cached or was lately sent (up
+        to the first miss).
 
         0 when the block sizes differ (the hashes would cover other token spans). One set lookup
         per cached leading block plus one for the miss, done in C.
         """
         block_hashes = demand.block_hashes
         cached = self.cached_block_hashes
+        routed = self.routed_block_hashes
         if not block_hashes or self.block_size != demand.block_size:
             return 0
-        if block_hashes[0] not in cached:
+        if block_hashes[0] not in cached and block_hashes[0] not in routed:
             return 0
-        first_miss = next(filterfalse(cached.__contains__, block_hashes), None)
+        has = cached.__contains__ if not routed else (lambda h: h in cached or h in routed)
+        first_miss = next(filterfalse(has, block_hashes), None)
         # index() finds the first occurrence of the missed hash, which is where the scan stopped
         # (an earlier occurrence would have missed first).
         return len(block_hashes) if first_miss is None else block_hashes.index(first_miss)
@@ -226,7 +232,8 @@ def rank_groups(
             entries.append([2, 0.0, occupancy, load.group_id, None])
         elif occupancy <= target_occupancy:
             # Most groups lack the first block: one lookup, no call.
-            has_prefix = first_hash is not None and first_hash in load.cached_block_hashes
+            has_prefix = first_hash is not None and (first_hash in load.cached_block_hashes
+                                                     or first_hash in load.routed_block_hashes)
             prefix = load.num_cached_prefix_blocks(demand) if has_prefix else 0
             entry = [0, 0.0, occupancy, load.group_id, prefix]
             entries.append(entry)

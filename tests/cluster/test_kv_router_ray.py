@@ -37,7 +37,7 @@ from cluster.kv_router import (  # noqa: E402
     parse_report,
 )
 from cluster.group_deployment import serve_routing_id  # noqa: E402
-from cluster.placement import PlacementReason  # noqa: E402
+from cluster.placement import PlacementReason, RequestDemand  # noqa: E402
 
 DEPLOYMENT = DeploymentID(name="group", app_name="test")
 
@@ -115,6 +115,24 @@ def test_a_request_taken_by_another_replica_moves_its_charge(router):
     assert router.decision_counts() == {PlacementReason.UNDER_TARGET.value: 1}
 
 
+def test_a_follow_up_goes_where_its_history_was_sent_before_any_report_shows_it(router):
+    """A conversation's next turn, routed before the group's next report lists the blocks of the
+    turn before: the router counts what it sent there as cached, or the charge of that turn
+    alone would push the follow-up to the other group (anti-affinity)."""
+    system, history = (101, 102), (201, 202, 203, 204, 205, 206)
+    reported = {"cached_block_hashes": list(system)}
+    a = StandInReplica("a", stats(1, 10, **reported))
+    b = StandInReplica("b", stats(1, 10, **reported))
+    turn1 = request("t1", num_tokens=9 * 16, block_hashes=list(system + history[:3]),
+                    block_size=16)
+    first = choose(router, [a, b], turn1)[0][0]
+    router.on_request_routed(turn1, ReplicaID(first, DEPLOYMENT), None)
+    turn2 = request("t2", num_tokens=10 * 16, block_hashes=list(system + history), block_size=16)
+    assert choose(router, [a, b], turn2)[0][0] == first
+    assert router.group_loads()[first].num_cached_prefix_blocks(
+        RequestDemand(160, system + history, 16)) == 5
+
+
 def test_a_retry_releases_the_charge_of_its_earlier_choice(router):
     a, b = StandInReplica("a", stats(1, 10)), StandInReplica("b", stats(1, 20))
     pending = request("r1", num_tokens=320)
@@ -186,6 +204,18 @@ def test_no_clock_of_another_host_decides_what_a_report_holds(group_clock_skew_s
                            now=100.4)
     assert load.num_tokens_sent_since_report == 320
     assert load.report_age_s == pytest.approx(0.0)  # received just now, whatever its "time"
+
+
+def test_routed_prompts_count_as_cached_until_their_ttl():
+    tracker = ReplicaLoadTracker("g", charge_ttl_s=10.0)
+    tracker.observe(stats(1, 10, cached_block_hashes=[1]), now=100.0)
+    tracker.note_routed((1, 2, 3), now=100.0)
+    demand = RequestDemand(64, (1, 2, 3, 4), 16)
+    assert tracker.observe(stats(2, 10, cached_block_hashes=[1]), now=105.0
+                           ).num_cached_prefix_blocks(demand) == 3
+    # A report after the TTL that still lacks them: only what it lists counts.
+    assert tracker.observe(stats(3, 10, cached_block_hashes=[1]), now=111.0
+                           ).num_cached_prefix_blocks(demand) == 1
 
 
 def test_report_age_is_counted_from_when_the_router_received_it():
