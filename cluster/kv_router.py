@@ -359,6 +359,14 @@ class _PendingDecision:
     fallback_reason: str = NO_REPORT
     charged: Optional[ReplicaID] = None  # the replica charged for it on the decision
     block_hashes: Tuple[BlockHash, ...] = ()  # its prompt's, noted where it is accepted
+    block_size: int = 1
+
+    def tokens_on(self, group_id: str) -> int:
+        """What the request adds to ``group_id``'s pool: its tokens less the blocks of its prefix
+        the group has cached (as ranked; all of them where it was not ranked)."""
+        cached = next((p.cached_prefix_blocks or 0 for p in self.placements or ()
+                       if p.group_id == group_id), 0)
+        return max(0, self.num_tokens - cached * self.block_size)
 
 
 class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -436,7 +444,8 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # Charge the first choice now, not when it accepts: the routing tasks of a burst run
         # before any acceptance comes back, and must see each other's requests.
         decision.charged = ranks[0][0].replica_id
-        self._tracker(decision.charged).charge(request_id, decision.num_tokens, time.time())
+        self._tracker(decision.charged).charge(
+            request_id, decision.tokens_on(decision.charged.unique_id), time.time())
         self._remember(request_id, decision)
         elapsed_us = (time.perf_counter_ns() - start_ns) / 1000
         with self._stats_lock:
@@ -491,7 +500,8 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if unreported:
             ranks.append(unreported)
         return ranks, _PendingDecision(demand.num_tokens, placements,
-                                       block_hashes=demand.block_hashes)
+                                       block_hashes=demand.block_hashes,
+                                       block_size=demand.block_size or 1)
 
     def _demand(
         self, request_kwargs: Mapping[str, Any], num_tokens: Any, groups_block_size: int
@@ -523,7 +533,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         now = time.time()
         if decision.num_tokens:
             # Re-stamped at acceptance: a report taken from now on holds the request.
-            tracker.charge(request_id, decision.num_tokens, now)
+            tracker.charge(request_id, decision.tokens_on(replica_id.unique_id), now)
         if decision.block_hashes:
             tracker.note_routed(decision.block_hashes, now)
         with self._stats_lock:

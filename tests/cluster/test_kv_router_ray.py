@@ -131,6 +131,8 @@ def test_a_follow_up_goes_where_its_history_was_sent_before_any_report_shows_it(
     assert choose(router, [a, b], turn2)[0][0] == first
     assert router.group_loads()[first].num_cached_prefix_blocks(
         RequestDemand(160, system + history, 16)) == 5
+    # Each charged what it adds there: 9 - 2 cached blocks, then 10 - 5.
+    assert router.group_loads()[first].num_tokens_sent_since_report == (7 + 5) * 16
 
 
 def test_a_retry_releases_the_charge_of_its_earlier_choice(router):

@@ -72,7 +72,7 @@ def test_under_target_group_comes_first_even_when_busier_one_sorts_first_by_id()
     placements = rank_groups(demand(5 * BS), [load("a", 70), load("b", 45)])
     assert placements == [
         Placement("b", R.UNDER_TARGET, 0.50, 0),
-        Placement("a", R.LEAST_LOADED, 0.75, None),
+        Placement("a", R.LEAST_LOADED, 0.75, 0),
     ]
 
 
@@ -249,15 +249,32 @@ def test_negative_weights_are_refused():
 
 def test_prefix_does_not_lift_an_over_target_group_above_an_under_target_one():
     hashes = extend_block_hashes([], list(range(4 * BS)), BS)
+    # 6 blocks asked, 4 of them cached in "cached_but_full": 69 + 2 = 0.71 there, 0.66 cold.
     loads = [load("cached_but_full", 69, cached=hashes), load("cold", 60)]
-    placements = rank_groups(demand(4 * BS, hashes), loads)
-    assert [(p.group_id, p.reason) for p in placements] == [
-        ("cold", R.UNDER_TARGET),
-        ("cached_but_full", R.LEAST_LOADED),
+    placements = rank_groups(demand(6 * BS, hashes), loads)
+    assert [(p.group_id, p.reason, p.projected_occupancy) for p in placements] == [
+        ("cold", R.UNDER_TARGET, 0.66),
+        ("cached_but_full", R.LEAST_LOADED, 0.71),
     ]
-    # When every group is over target, the prefix is ignored: load alone decides.
+    # When every group is over target, load alone decides; 90 + 2 against 80 + 6.
     loads = [load("cached_but_full", 90, cached=hashes), load("cold", 80)]
-    assert ids(rank_groups(demand(4 * BS, hashes), loads)) == ["cold", "cached_but_full"]
+    assert ids(rank_groups(demand(6 * BS, hashes), loads)) == ["cold", "cached_but_full"]
+
+
+def test_cached_blocks_take_no_new_blocks_so_they_do_not_count_against_the_target():
+    """A conversation's next turn: 8 of its 10 blocks cached where the turn before ran. That
+    group takes 2 new blocks (0.62), the other would take 10 (0.70, on the target): charging the
+    whole request to both (0.70 and 0.70) ranked them by id, the history's group last."""
+    hashes = extend_block_hashes([], list(range(8 * BS)), BS)
+    request = demand(10 * BS, hashes)
+    loads = [load("a_cold", 60), load("b_history", 60, cached=hashes)]
+    placements = rank_groups(request, loads)
+    assert [(p.group_id, p.projected_occupancy, p.cached_prefix_blocks) for p in placements] == [
+        ("b_history", 0.62, 8), ("a_cold", 0.70, 0)]
+    # Both over target: the history's group is the less loaded one by what it must add.
+    loads = [load("a_cold", 75), load("b_history", 80, cached=hashes)]
+    assert [(p.group_id, p.reason) for p in rank_groups(request, loads)] == [
+        ("b_history", R.LEAST_LOADED), ("a_cold", R.LEAST_LOADED)]
 
 
 def test_only_leading_blocks_count_and_block_sizes_must_match():
@@ -347,10 +364,13 @@ def test_ranking_properties(scenario):
     placements = rank_groups(request, loads, TARGET, max_report_age_s=5.0)
     by_id = {group.group_id: group for group in loads}
     assert sorted(ids(placements)) == sorted(by_id)  # every group exactly once
+    def occupancy(group: GroupLoad) -> float:
+        fresh = group.report_age_s <= 5.0
+        cached = _naive_prefix(group, request) if fresh else 0
+        return group.projected_occupancy(request.num_tokens, cached)
+
     fresh_under = [
-        group
-        for group in loads
-        if group.report_age_s <= 5.0 and group.projected_occupancy(request.num_tokens) <= TARGET
+        group for group in loads if group.report_age_s <= 5.0 and occupancy(group) <= TARGET
     ]
     if fresh_under:
         assert placements[0].reason in (R.UNDER_TARGET, R.UNDER_TARGET_PREFIX)
@@ -359,23 +379,27 @@ def test_ranking_properties(scenario):
     assert [tiers[p.reason] for p in placements] == sorted(tiers[p.reason] for p in placements)
     for p in placements:
         group = by_id[p.group_id]
-        assert p.projected_occupancy == group.projected_occupancy(request.num_tokens)
-        if p.reason in (R.UNDER_TARGET, R.UNDER_TARGET_PREFIX):
-            assert p.cached_prefix_blocks == _naive_prefix(group, request)
-            assert (p.reason is R.UNDER_TARGET_PREFIX) == (p.cached_prefix_blocks > 0)
-        else:
+        assert p.projected_occupancy == occupancy(group)
+        if p.reason is R.STALE_REPORT:
             assert p.cached_prefix_blocks is None
+        else:
+            assert p.cached_prefix_blocks == min(_naive_prefix(group, request),
+                                                 -(-request.num_tokens // group.block_size))
+        if p.reason in (R.UNDER_TARGET, R.UNDER_TARGET_PREFIX):
+            assert (p.reason is R.UNDER_TARGET_PREFIX) == (p.cached_prefix_blocks > 0)
     # Within a tier: higher score first (under target), then lower occupancy, then id.
     under = [p.projected_occupancy for p in placements if tiers[p.reason] == 0]
     keys = [
-        (tiers[p.reason], _naive_score(p, request, max(under, default=0.0)),
+        (tiers[p.reason],
+         _naive_score(p, request, max(under, default=0.0)) if tiers[p.reason] == 0 else 0.0,
          p.projected_occupancy, p.group_id)
         for p in placements
     ]
     assert keys == sorted(keys, key=lambda k: (k[0], round(k[1], 9), k[2], k[3]))
     # Without a load weight: the strict order, longer prefix first.
     strict = rank_groups(request, loads, TARGET, max_report_age_s=5.0, load_weight=0.0)
-    keys = [(tiers[p.reason], -(p.cached_prefix_blocks or 0), p.projected_occupancy,
+    keys = [(tiers[p.reason], -p.cached_prefix_blocks if tiers[p.reason] == 0 else 0,
+             p.projected_occupancy,
              p.group_id) for p in strict]
     assert keys == sorted(keys)
 
