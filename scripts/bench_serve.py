@@ -18,8 +18,10 @@ content; ``traces.py`` reads both):
   hash ids share real prompt prefixes. ``--system-prompt-blocks`` shared blocks go in front of
   every prompt (a system prompt, as agent and chat traces have). ``--requests`` requests are
   sampled as whole conversations (``traces.sample_conversations``: a request that extends an
-  earlier one's full blocks is its next turn), in trace order; ``--min-turns N`` samples only
-  conversations of at least N turns (multi-turn chat, where each turn resends the history).
+  earlier one's full blocks is its next turn), in trace order; ``--min-turns N`` (3) samples only
+  conversations of at least N turns (multi-turn chat, where each turn resends the history: with
+  1, most of the synthetic trace's 2,758 conversations are single requests, and the routers'
+  hit rates differ by the shared system prompt alone).
 * Azure LLM inference CSV: no token contents, every prompt is seeded random token ids.
 
 KV pressure: ``--kv-blocks auto`` (the default) sizes each group's pool so that the working set
@@ -120,14 +122,19 @@ def time_rank_groups(num_groups: int, num_calls: int = 2000, seed: int = 0) -> f
 # ----- arguments -----
 
 
+DEFAULT_MIN_TURNS = 3  # Mooncake traces: multi-turn conversations (the module doc)
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
                    help="Mooncake JSONL or Azure CSV trace (default: %(default)s)")
     p.add_argument("--requests", "--num-requests", dest="num_requests", type=int, default=80,
                    help="requests replayed, sampled as whole conversations")
-    p.add_argument("--min-turns", type=int, default=1,
-                   help="sample only conversations of at least this many turns (multi-turn chat)")
+    p.add_argument("--min-turns", type=int, default=None,
+                   help="sample only conversations of at least this many turns (multi-turn "
+                        "chat, each turn resending the history); 1: every conversation "
+                        "(default: 3 for a Mooncake trace, 1 for Azure, which has no turns)")
     p.add_argument("--system-prompt-blocks", type=int, default=8,
                    help="shared hash blocks (512 trace tokens each) in front of every prompt")
     p.add_argument("--arrival", choices=("poisson", "trace"), default="poisson")
@@ -166,7 +173,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    if min(args.num_requests, args.prompt_scale, args.max_output, args.min_turns) < 1:
+    if min(args.num_requests, args.prompt_scale, args.max_output,
+           1 if args.min_turns is None else args.min_turns) < 1:
         p.error("--requests, --prompt-scale, --max-output and --min-turns must be at least 1")
     args.rate = _auto_or(p, "--rate", args.rate, float)
     args.kv_blocks = _auto_or(p, "--kv-blocks", args.kv_blocks, int)
@@ -214,6 +222,8 @@ def prepare(args: argparse.Namespace) -> Workload:
     """Sampled, scaled requests (arrivals at rate 1/s until --rate auto sets it), the pool."""
     trace_format, rows = read_trace(args.trace)
     rows = with_system_prompt(rows, args.system_prompt_blocks if trace_format == "mooncake" else 0)
+    if args.min_turns is None:
+        args.min_turns = DEFAULT_MIN_TURNS if trace_format == "mooncake" else 1
     rows = sample_conversations(rows, args.seed, num_requests=args.num_requests,
                                 min_turns=args.min_turns)
 

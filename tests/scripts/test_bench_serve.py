@@ -60,7 +60,8 @@ def test_four_routers_end_to_end_print_sane_json_last(tmp_path, tiny_llama):
         [1, 2], [3, 4, 5], [1, 2, 6], [7, 8], [3, 4, 5, 9], [10], [7, 8, 11], [12, 13]])
     proc = run_bench("--model", str(tiny_llama), "--trace", str(trace), "--requests", "6",
                      "--rate", "20", "--system-prompt-blocks", "2", "--block-size", "4",
-                     "--max-output", "3", "--drain-timeout-s", "60", timeout=400)
+                     "--max-output", "3", "--drain-timeout-s", "60", "--min-turns", "1",
+                     timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(REQUIRED_KEYS) <= set(result), set(REQUIRED_KEYS) - set(result)
@@ -87,7 +88,8 @@ def test_rate_auto_and_a_target_sweep_with_its_plot(tmp_path, tiny_llama):
     plot = tmp_path / "sweep.png"
     proc = run_bench("--model", str(tiny_llama), "--trace", str(trace), "--requests", "4",
                      "--block-size", "4", "--max-output", "2", "--target", "0.5,0.9",
-                     "--calibration-requests", "4", "--plot-out", str(plot), timeout=400)
+                     "--calibration-requests", "4", "--plot-out", str(plot), "--min-turns", "1",
+                     timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["sweep_targets"] == [0.5, 0.9] and len(result["ttft_p99_ms_by_target"]) == 2
