@@ -59,7 +59,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.config import RequestRouterConfig
@@ -263,6 +263,9 @@ class ReplicaLoadTracker:
         # charge_ttl_s, whatever the reports say (a report lists a prompt's blocks only once
         # the group has computed them, seconds after a follow-up may need to know).
         self._routed: "collections.OrderedDict[BlockHash, float]" = collections.OrderedDict()
+        # The last report's hashes and the routed ones: one set, so a decision scans one set
+        # in C (two sets per group cost 64 groups 105 us a decision against 50).
+        self._held: Set[BlockHash] = set()
         self._load: Optional[GroupLoad] = None
         self._load_built_at = 0.0
 
@@ -298,14 +301,18 @@ class ReplicaLoadTracker:
         for block_hash in block_hashes:
             routed[block_hash] = now
             routed.move_to_end(block_hash)
+        self._held.update(block_hashes)
         self._expire_routed(now)
         self._load = None
 
     def _expire_routed(self, now: float) -> None:
-        routed = self._routed
+        routed, held = self._routed, self._held
+        reported = self._report.cached_block_hashes if self._report else frozenset()
         oldest = now - self.charge_ttl_s
         while routed and (len(routed) > MAX_ROUTED_HASHES or next(iter(routed.values())) < oldest):
-            routed.popitem(last=False)
+            block_hash = routed.popitem(last=False)[0]
+            if block_hash not in reported:
+                held.discard(block_hash)
 
     def release(self, request_id: str) -> None:
         """Take back a charge (the request went elsewhere); no-op if there is none."""
@@ -325,6 +332,8 @@ class ReplicaLoadTracker:
             return
         self._report = report
         self._received_at = now
+        self._held = set(report.cached_block_hashes)
+        self._held.update(self._routed)
         # The requests the report lists are in its numbers now.
         for request_id in report.accepted_ids:
             self.release(request_id)
@@ -342,11 +351,11 @@ class ReplicaLoadTracker:
             num_blocks_total=report.num_blocks_total,
             block_size=report.block_size,
             num_waiting_tokens=report.num_waiting_tokens,
-            cached_block_hashes=report.cached_block_hashes,
+            cached_block_hashes=self._held if report is self._report else (
+                report.cached_block_hashes),
             report_seq=report.seq,
             report_age_s=max(0.0, now - self._received_at),
             num_tokens_sent_since_report=self.num_tokens_sent,
-            routed_block_hashes=self._routed,
         )
 
 

@@ -10,8 +10,8 @@ back into replicas.
 The policy, in rank order:
 
 A request's demand on a group is its blocks (prompt plus expected output) less the leading
-prompt blocks that group has cached (or was lately sent: ``GroupLoad.routed_block_hashes``):
-those take no new block there. Projected occupancy = (the group's committed blocks + that
+prompt blocks that group has cached (or was lately sent, see ``GroupLoad``): those take no new
+block there. Projected occupancy = (the group's committed blocks + that
 demand) / its pool.
 
 1. Fresh groups whose projected occupancy with the request stays at or under the target, by the
@@ -53,7 +53,7 @@ import enum
 from dataclasses import dataclass, field
 from itertools import filterfalse
 from operator import itemgetter
-from typing import Container, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
+from typing import AbstractSet, List, NamedTuple, Optional, Sequence, Tuple
 
 from kv.prefix_hash import BlockHash
 
@@ -77,9 +77,9 @@ class GroupLoad:
     ``cached_block_hashes`` (chained hashes of its cached full blocks, `kv.prefix_hash`),
     ``report_seq`` and ``report_age_s`` (how old the report was when the router read it). Added by
     the router: ``num_tokens_sent_since_report`` (tokens of requests it routed to the group after
-    the report was taken) and ``routed_block_hashes`` (the hashes of the prompts it routed to the
-    group lately, counted as cached: a conversation's next turn can arrive before the report that
-    lists the turn before it).
+    the report was taken). The router may add to ``cached_block_hashes`` the hashes of prompts it
+    sent the group lately (``ReplicaLoadTracker``): a conversation's next turn can arrive before
+    the report that lists the turn before it.
     """
 
     group_id: str
@@ -87,11 +87,10 @@ class GroupLoad:
     num_blocks_total: int
     block_size: int
     num_waiting_tokens: int
-    cached_block_hashes: FrozenSet[BlockHash]
+    cached_block_hashes: AbstractSet[BlockHash]
     report_seq: int
     report_age_s: float
     num_tokens_sent_since_report: int = 0
-    routed_block_hashes: Container[BlockHash] = frozenset()
     _num_blocks_committed: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
@@ -144,21 +143,18 @@ class GroupLoad:
         )
 
     def num_cached_prefix_blocks(self, demand: "RequestDemand") -> int:
-        """Count of leading ``demand.block_hashes`` this group has cached or was lately sent (up
-        to the first miss).
+        """Count of leading ``demand.block_hashes`` this group has cached (up to the first miss).
 
         0 when the block sizes differ (the hashes would cover other token spans). One set lookup
         per cached leading block plus one for the miss, done in C.
         """
         block_hashes = demand.block_hashes
         cached = self.cached_block_hashes
-        routed = self.routed_block_hashes
         if not block_hashes or self.block_size != demand.block_size:
             return 0
-        if block_hashes[0] not in cached and block_hashes[0] not in routed:
+        if block_hashes[0] not in cached:
             return 0
-        has = cached.__contains__ if not routed else (lambda h: h in cached or h in routed)
-        first_miss = next(filterfalse(has, block_hashes), None)
+        first_miss = next(filterfalse(cached.__contains__, block_hashes), None)
         # index() finds the first occurrence of the missed hash, which is where the scan stopped
         # (an earlier occurrence would have missed first).
         return len(block_hashes) if first_miss is None else block_hashes.index(first_miss)
@@ -229,7 +225,9 @@ def rank_groups(
         raise ValueError(f"prefix_weight and load_weight must not be negative, got "
                          f"{prefix_weight} and {load_weight}")
     num_tokens = demand.num_tokens
-    first_hash = demand.block_hashes[0] if demand.block_hashes else None
+    hashes, demand_bs = demand.block_hashes, demand.block_size
+    num_hashes = len(hashes)
+    first_hash = hashes[0] if hashes else None
     # [tier, -score, projected occupancy, group id, cached prefix blocks]; tier 0: fresh and
     # under target, 1: fresh and over, 2: stale. Scores are set once the under-target groups'
     # highest occupancy is known.
@@ -242,10 +240,15 @@ def rank_groups(
             occupancy = (load._num_blocks_committed + num_blocks) / load.num_blocks_total
             entries.append([2, 0.0, occupancy, load.group_id, None])
             continue
-        # Most groups lack the first block: one lookup, no call.
-        has_prefix = first_hash is not None and (first_hash in load.cached_block_hashes
-                                                 or first_hash in load.routed_block_hashes)
-        prefix = min(load.num_cached_prefix_blocks(demand), num_blocks) if has_prefix else 0
+        # GroupLoad.num_cached_prefix_blocks, inlined; a group that lacks the first block costs
+        # one lookup.
+        cached = load.cached_block_hashes
+        prefix = 0
+        if first_hash is not None and first_hash in cached and load.block_size == demand_bs:
+            miss = next(filterfalse(cached.__contains__, hashes), None)
+            prefix = num_hashes if miss is None else hashes.index(miss)
+            if prefix > num_blocks:
+                prefix = num_blocks
         occupancy = (load._num_blocks_committed + num_blocks - prefix) / load.num_blocks_total
         entry = [0 if occupancy <= target_occupancy else 1, 0.0, occupancy, load.group_id, prefix]
         entries.append(entry)
