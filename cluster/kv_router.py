@@ -20,15 +20,17 @@ still queued for the engine). The controller polls it every ``request_routing_st
 and pushes it to the routers when it changes, so a report is up to about two periods old when
 read.
 
-Sent-token accounting: a charge is keyed by the request's internal id. When a report with a new
-``seq`` arrives, the charges of the requests it lists are in its numbers and are dropped; the rest
-stay counted. (Resetting the count on each new report would forget the requests sent while the
-report was in transit, about half a period of traffic.) A charge no report ever lists (a request
-cancelled while routing) expires ``charge_ttl_s`` after it was made. No clock of another host is
-read: a report's age is the time since this router received it (a new ``seq``), and charge times
-are this router's. Acceptance is only seen through Serve's rejection protocol (on unless the
-caller is a Ray Client or Java): without it charges stay on the first choice and no reasons are
-counted.
+Sent-token accounting (`cluster.load_report.ReplicaLoadTracker`, one per replica): a charge is
+keyed by the request's internal id. When a report with a new ``seq`` arrives, the charges of the
+requests it lists are in its numbers and are dropped; the rest stay counted. (Resetting the count
+on each new report would forget the requests sent while the report was in transit, about half a
+period of traffic.) A charge no report ever lists (a request cancelled while routing) expires
+``charge_ttl_s`` after it was made. The block hashes of the prompts a replica accepted count as
+cached there for as long (a report lists a prompt's blocks only once computed), merged with the
+report's into one set. No clock of another host is read: a report's age is the time since this
+router received it (a new ``seq``), and charge times are this router's. Acceptance is only seen
+through Serve's rejection protocol (on unless the caller is a Ray Client or Java): without it
+charges stay on the first choice and no reasons are counted.
 
 A replica whose report says its engine died (``"engine_alive": false``, optional) is never
 ranked: its health check fails within a period and Serve replaces it; when every replica is
@@ -59,7 +61,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.config import RequestRouterConfig
@@ -72,6 +74,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from cluster.load_report import ReplicaLoadTracker
 from cluster.metrics import register_router_decisions
 from cluster.placement import (
     DEFAULT_LOAD_WEIGHT,
@@ -93,26 +96,10 @@ FALLBACK_NO_REPORTS = "fallback_no_reports"  # no replica has reported its load 
 NO_REPORT = "no_report"  # placed on a replica without a report (every reported one was full)
 NO_HEALTHY_GROUP = "no_healthy_group"  # every replica reported a dead engine: none is ranked
 
-REPORT_KEYS = (
-    "seq",
-    "time",
-    "kv_blocks_used",
-    "kv_blocks_total",
-    "block_size",
-    "waiting_tokens",
-    "cached_block_hashes",
-    "accepted_ids",
-)
-# A cached GroupLoad is rebuilt when its report age is this much out of date (or when a report or
-# a charge changes it). The age only decides staleness against limits of seconds; rebuilding all
-# loads more often would cost more than the ranking itself.
-LOAD_AGE_REFRESH_S = 0.5
 # Decisions waiting for on_request_routed. Serve may report a fast request completed before it
 # reports it routed, so completion cannot clear them; the ones never routed (cancelled while
 # waiting for a replica) leave the oldest-first once this many wait.
 MAX_PENDING_REQUESTS = 4096
-# Block hashes of routed prompts a tracker counts as cached until its TTL (a bound on memory).
-MAX_ROUTED_HASHES = 65536
 
 # The routers of this process; see the module doc for why methods reach these by module name.
 _live_routers: "weakref.WeakSet[KVAwareRouter]" = weakref.WeakSet()
@@ -195,168 +182,6 @@ class _RouterSettings:
         if not (self.prefix_weight >= 0 and self.load_weight >= 0):
             raise ValueError(f"prefix_weight and load_weight must not be negative, got "
                              f"{self.prefix_weight} and {self.load_weight}")
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """One replica's routing stats, parsed (see the module doc for the dict)."""
-
-    seq: int
-    time: float
-    num_blocks_used: int
-    num_blocks_total: int
-    block_size: int
-    num_waiting_tokens: int
-    cached_block_hashes: FrozenSet[BlockHash]
-    accepted_ids: FrozenSet[str]
-
-
-def parse_report(stats: Mapping[str, Any]) -> LoadReport:
-    """The group deployment's routing stats as a `LoadReport`; ValueError names what is wrong."""
-    missing = [key for key in REPORT_KEYS if key not in stats]
-    if missing:
-        raise ValueError(f"routing stats lack {missing} (have {sorted(stats)})")
-    ints = ("seq", "kv_blocks_used", "kv_blocks_total", "block_size", "waiting_tokens")
-    for key in ints:
-        if not isinstance(stats[key], int):
-            raise ValueError(f"routing stats {key!r} must be an int, got {stats[key]!r}")
-    if not isinstance(stats["time"], (int, float)):
-        raise ValueError(f"routing stats 'time' must be a number, got {stats['time']!r}")
-    accepted = stats["accepted_ids"]
-    if not isinstance(accepted, (list, tuple)) or not all(isinstance(i, str) for i in accepted):
-        raise ValueError(f"routing stats 'accepted_ids' must be a list of request ids, "
-                         f"got {accepted!r:.80}")
-    return LoadReport(
-        seq=stats["seq"],
-        time=float(stats["time"]),
-        num_blocks_used=stats["kv_blocks_used"],
-        num_blocks_total=stats["kv_blocks_total"],
-        block_size=stats["block_size"],
-        num_waiting_tokens=stats["waiting_tokens"],
-        cached_block_hashes=frozenset(stats["cached_block_hashes"]),
-        accepted_ids=frozenset(accepted),
-    )
-
-
-class ReplicaLoadTracker:
-    """One replica's load as this router knows it: its last report plus what was sent since.
-
-    No Ray in here: ``observe`` takes the stats dict and this router's time, so it is tested on
-    plain inputs. Costs: O(hashes + listed ids) once per new report, O(1) amortized per decision
-    and per charge.
-    """
-
-    def __init__(self, group_id: str, charge_ttl_s: float = 2 * DEFAULT_MAX_REPORT_AGE_S) -> None:
-        self.group_id = group_id
-        self.charge_ttl_s = charge_ttl_s
-        self._report: Optional[LoadReport] = None
-        self._received_at = 0.0  # this router's time when the report's seq was first seen
-        self._stats: Optional[Mapping[str, Any]] = None  # the stats dict last looked at
-        # (seq,) of the last report taken or refused (a refused one is logged once).
-        self._seen: Optional[Tuple[Any]] = None
-        # request id -> (time charged, tokens), oldest first.
-        self._charges: "collections.OrderedDict[str, Tuple[float, int]]" = (
-            collections.OrderedDict()
-        )
-        self.num_tokens_sent = 0
-        # Block hashes of prompts routed here -> when, oldest first: counted as cached for
-        # charge_ttl_s, whatever the reports say (a report lists a prompt's blocks only once
-        # the group has computed them, seconds after a follow-up may need to know).
-        self._routed: "collections.OrderedDict[BlockHash, float]" = collections.OrderedDict()
-        # The last report's hashes and the routed ones: one set, so a decision scans one set
-        # in C (two sets per group cost 64 groups 105 us a decision against 50).
-        self._held: Set[BlockHash] = set()
-        self._load: Optional[GroupLoad] = None
-        self._load_built_at = 0.0
-
-    def observe(self, stats: Optional[Mapping[str, Any]], now: float) -> Optional[GroupLoad]:
-        """The group's load at ``now`` given the replica's current stats; None without a report."""
-        # Serve hands over a new dict with each update, so the same dict needs no second look.
-        if stats is not self._stats:
-            self._stats = stats
-            if stats and (stats.get("seq"),) != self._seen:
-                self._take_report(stats, now)
-        if self._report is None:
-            return None
-        if self._load is None or now - self._load_built_at > LOAD_AGE_REFRESH_S:
-            self._load = self._build_load(self._report, now)
-            self._load_built_at = now
-        return self._load
-
-    def current_load(self, now: float) -> Optional[GroupLoad]:
-        """The load at ``now`` without touching any state (for readers on other threads)."""
-        report = self._report
-        return None if report is None else self._build_load(report, now)
-
-    def charge(self, request_id: str, num_tokens: int, now: float) -> None:
-        """Count ``num_tokens`` against the replica from ``now`` on (again: re-stamped)."""
-        self.release(request_id)
-        self._charges[request_id] = (now, num_tokens)
-        self.num_tokens_sent += num_tokens
-        self._load = None
-
-    def note_routed(self, block_hashes: Sequence[BlockHash], now: float) -> None:
-        """Count ``block_hashes`` (a prompt this group accepted) as cached here from ``now`` on."""
-        routed = self._routed
-        for block_hash in block_hashes:
-            routed[block_hash] = now
-            routed.move_to_end(block_hash)
-        self._held.update(block_hashes)
-        self._expire_routed(now)
-        self._load = None
-
-    def _expire_routed(self, now: float) -> None:
-        routed, held = self._routed, self._held
-        reported = self._report.cached_block_hashes if self._report else frozenset()
-        oldest = now - self.charge_ttl_s
-        while routed and (len(routed) > MAX_ROUTED_HASHES or next(iter(routed.values())) < oldest):
-            block_hash = routed.popitem(last=False)[0]
-            if block_hash not in reported:
-                held.discard(block_hash)
-
-    def release(self, request_id: str) -> None:
-        """Take back a charge (the request went elsewhere); no-op if there is none."""
-        charge = self._charges.pop(request_id, None)
-        if charge is not None:
-            self.num_tokens_sent -= charge[1]
-            self._load = None
-
-    def _take_report(self, stats: Mapping[str, Any], now: float) -> None:
-        self._seen = (stats.get("seq"),)
-        try:
-            report = parse_report(stats)
-            self._build_load(report, now)  # GroupLoad checks the numbers
-        except (ValueError, TypeError) as e:
-            # Keep the last good report, if any: it turns stale unless a good one follows.
-            logger.warning("ignoring routing stats of replica %s: %s", self.group_id, e)
-            return
-        self._report = report
-        self._received_at = now
-        self._held = set(report.cached_block_hashes)
-        self._held.update(self._routed)
-        # The requests the report lists are in its numbers now.
-        for request_id in report.accepted_ids:
-            self.release(request_id)
-        # Charges no report listed in time never became requests here (cancelled while routing).
-        charges = self._charges
-        while charges and next(iter(charges.values()))[0] < now - self.charge_ttl_s:
-            self.num_tokens_sent -= charges.popitem(last=False)[1][1]
-        self._expire_routed(now)
-        self._load = None
-
-    def _build_load(self, report: LoadReport, now: float) -> GroupLoad:
-        return GroupLoad(
-            group_id=self.group_id,
-            num_blocks_used=report.num_blocks_used,
-            num_blocks_total=report.num_blocks_total,
-            block_size=report.block_size,
-            num_waiting_tokens=report.num_waiting_tokens,
-            cached_block_hashes=self._held if report is self._report else (
-                report.cached_block_hashes),
-            report_seq=report.seq,
-            report_age_s=max(0.0, now - self._received_at),
-            num_tokens_sent_since_report=self.num_tokens_sent,
-        )
 
 
 @dataclass

@@ -31,11 +31,10 @@ from cluster.kv_router import (  # noqa: E402
     FALLBACK_NO_NUM_TOKENS,
     FALLBACK_NO_REPORTS,
     KVAwareRouter,
-    ReplicaLoadTracker,
     kv_aware_router_config,
     live_routers,
-    parse_report,
 )
+from cluster.load_report import ReplicaLoadTracker, parse_report  # noqa: E402
 from cluster.group_deployment import serve_routing_id  # noqa: E402
 from cluster.placement import PlacementReason, RequestDemand  # noqa: E402
 
