@@ -11,8 +11,7 @@ The policy, in rank order:
 
 A request's demand on a group is its blocks (prompt plus expected output) less the leading
 prompt blocks that group has cached (or was lately sent, see ``GroupLoad``): those take no new
-block there. Projected occupancy = (the group's committed blocks + that
-demand) / its pool.
+block there. Projected occupancy = (the group's committed blocks + that demand) / its pool.
 
 1. Fresh groups whose projected occupancy with the request stays at or under the target, by the
    highest score, then the lowest projected occupancy, then group id. The score is a weighted
@@ -43,7 +42,7 @@ demand) / its pool.
    queue-length check still guards it).
 
 Cost: O(G log G) for G groups, plus one set lookup per leading cached block, for fresh groups
-only (a group that lacks the request's first block costs one or two lookups).
+only (a group that lacks the request's first block costs one lookup).
 The score adds one pass over the under-target groups.
 """
 
