@@ -76,6 +76,7 @@ from ray.serve.request_router import (
 
 from cluster.load_report import ReplicaLoadTracker
 from cluster.metrics import register_router_decisions
+from cluster.prefix_index import PrefixIndex
 from cluster.placement import (
     DEFAULT_LOAD_WEIGHT,
     DEFAULT_MAX_REPORT_AGE_S,
@@ -216,6 +217,8 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # By ReplicaID.unique_id: a str hashes in C, a ReplicaID in Python (this is per replica
         # per decision).
         self._trackers: Dict[str, ReplicaLoadTracker] = {}
+        # Every tracker's cached hashes, by group bit: one walk finds all groups' prefixes.
+        self._prefix_index = PrefixIndex()
         self._pending: "collections.OrderedDict[str, _PendingDecision]" = (
             collections.OrderedDict()
         )
@@ -329,6 +332,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         placements = rank_groups(
             demand, loads, settings.target_occupancy, settings.max_report_age_s,
             settings.prefix_weight, settings.load_weight,
+            self._prefix_index.prefix_blocks(demand.block_hashes),
         )
         ranks = [[by_group[placement.group_id]] for placement in placements]
         if unreported:
@@ -379,21 +383,23 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         live = {replica_id.unique_id for replica_id in self._replicas}
         for group_id in list(self._trackers):
             if group_id not in live:
-                del self._trackers[group_id]
+                self._trackers.pop(group_id).close()
         # New reports arrive with replica updates: parse them here, off the decision path.
         for replica in replicas:
             self._tracker(replica.replica_id).observe(replica.routing_stats, now)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._trackers.pop(replica_id.unique_id, None)
+        tracker = self._trackers.pop(replica_id.unique_id, None)
+        if tracker is not None:
+            tracker.close()
 
     def _tracker(self, replica_id: ReplicaID) -> ReplicaLoadTracker:
         group_id = replica_id.unique_id
         tracker = self._trackers.get(group_id)
         if tracker is None:
             tracker = self._trackers[group_id] = ReplicaLoadTracker(
-                group_id, self._settings.charge_ttl_s)
+                group_id, self._settings.charge_ttl_s, self._prefix_index)
         return tracker
 
     def _drop_pending(self, request_id: str) -> None:

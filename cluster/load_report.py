@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, FrozenSet, Mapping, Optional, Sequence, Set, Tuple
 
 from cluster.placement import DEFAULT_MAX_REPORT_AGE_S, GroupLoad
+from cluster.prefix_index import PrefixIndex
 from kv.prefix_hash import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -80,11 +81,17 @@ class ReplicaLoadTracker:
     No Ray in here: ``observe`` takes the stats dict and this router's time, so it is tested on
     plain inputs. Costs: O(hashes + listed ids) once per new report, O(1) amortized per decision
     and per charge.
+
+    With an ``index``, every hash counted as cached here is in it under this group's bit too
+    (`PrefixIndex`: the router's prefix lookups for all groups at once); ``close`` takes them out.
     """
 
-    def __init__(self, group_id: str, charge_ttl_s: float = 2 * DEFAULT_MAX_REPORT_AGE_S) -> None:
+    def __init__(self, group_id: str, charge_ttl_s: float = 2 * DEFAULT_MAX_REPORT_AGE_S,
+                 index: Optional[PrefixIndex] = None) -> None:
         self.group_id = group_id
         self.charge_ttl_s = charge_ttl_s
+        self._index = index
+        self._bit = index.add_group(group_id) if index is not None else 0
         self._report: Optional[LoadReport] = None
         self._received_at = 0.0  # this router's time when the report's seq was first seen
         self._stats: Optional[Mapping[str, Any]] = None  # the stats dict last looked at
@@ -133,11 +140,13 @@ class ReplicaLoadTracker:
 
     def note_routed(self, block_hashes: Sequence[BlockHash], now: float) -> None:
         """Count ``block_hashes`` (a prompt this group accepted) as cached here from ``now`` on."""
-        routed = self._routed
+        routed, held = self._routed, self._held
         for block_hash in block_hashes:
             routed[block_hash] = now
             routed.move_to_end(block_hash)
-        self._held.update(block_hashes)
+        if self._index is not None:
+            self._index.add(self._bit, [h for h in block_hashes if h not in held])
+        held.update(block_hashes)
         self._expire_routed(now)
         self._load = None
 
@@ -145,10 +154,20 @@ class ReplicaLoadTracker:
         routed, held = self._routed, self._held
         reported = self._report.cached_block_hashes if self._report else frozenset()
         oldest = now - self.charge_ttl_s
+        gone = []
         while routed and (len(routed) > MAX_ROUTED_HASHES or next(iter(routed.values())) < oldest):
             block_hash = routed.popitem(last=False)[0]
-            if block_hash not in reported:
+            if block_hash not in reported and block_hash in held:
                 held.discard(block_hash)
+                gone.append(block_hash)
+        if gone and self._index is not None:
+            self._index.discard(self._bit, gone)
+
+    def close(self) -> None:
+        """Take this group out of the index (the replica is gone)."""
+        if self._index is not None:
+            self._index.remove_group(self.group_id, self._held)
+            self._index = None
 
     def release(self, request_id: str) -> None:
         """Take back a charge (the request went elsewhere); no-op if there is none."""
@@ -168,8 +187,12 @@ class ReplicaLoadTracker:
             return
         self._report = report
         self._received_at = now
-        self._held = set(report.cached_block_hashes)
-        self._held.update(self._routed)
+        held = set(report.cached_block_hashes)
+        held.update(self._routed)
+        if self._index is not None:
+            self._index.discard(self._bit, self._held - held)
+            self._index.add(self._bit, held - self._held)
+        self._held = held
         # The requests the report lists are in its numbers now.
         for request_id in report.accepted_ids:
             self.release(request_id)

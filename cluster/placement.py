@@ -42,7 +42,8 @@ block there. Projected occupancy = (the group's committed blocks + that demand) 
    queue-length check still guards it).
 
 Cost: O(G log G) for G groups, plus one set lookup per leading cached block, for fresh groups
-only (a group that lacks the request's first block costs one lookup).
+only (a group that lacks the request's first block costs one lookup); given the groups' prefix
+lengths (the router's `cluster.prefix_index.PrefixIndex`), one dict lookup per group instead.
 The score adds one pass over the under-target groups.
 """
 
@@ -52,7 +53,7 @@ import enum
 from dataclasses import dataclass, field
 from itertools import filterfalse
 from operator import itemgetter
-from typing import AbstractSet, List, NamedTuple, Optional, Sequence, Tuple
+from typing import AbstractSet, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from kv.prefix_hash import BlockHash
 
@@ -210,11 +211,15 @@ def rank_groups(
     max_report_age_s: float = DEFAULT_MAX_REPORT_AGE_S,
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
     load_weight: float = DEFAULT_LOAD_WEIGHT,
+    cached_prefix: Optional[Mapping[str, int]] = None,
 ) -> List[Placement]:
     """Every group in ``loads``, best first, by the policy in this module's docstring.
 
     A group is under target when its projected occupancy is <= ``target_occupancy`` (exactly at
     the target counts as under). Returns [] for no groups: the caller falls back.
+    ``cached_prefix``: each group's count of leading request blocks it holds, as
+    `cluster.prefix_index.PrefixIndex.prefix_blocks` finds them in one walk for all groups
+    (groups left out hold none); None: each group's ``cached_block_hashes`` are scanned.
     """
     if not 0.0 < target_occupancy <= 1.0:
         raise ValueError(f"target_occupancy must be in (0, 1], got {target_occupancy}")
@@ -241,11 +246,13 @@ def rank_groups(
             continue
         # GroupLoad.num_cached_prefix_blocks, inlined; a group that lacks the first block costs
         # one lookup.
-        cached = load.cached_block_hashes
         prefix = 0
-        if first_hash is not None and first_hash in cached and load.block_size == demand_bs:
-            miss = next(filterfalse(cached.__contains__, hashes), None)
-            prefix = num_hashes if miss is None else hashes.index(miss)
+        if first_hash is not None and load.block_size == demand_bs:
+            if cached_prefix is not None:
+                prefix = cached_prefix.get(load.group_id, 0)
+            elif first_hash in load.cached_block_hashes:
+                miss = next(filterfalse(load.cached_block_hashes.__contains__, hashes), None)
+                prefix = num_hashes if miss is None else hashes.index(miss)
             if prefix > num_blocks:
                 prefix = num_blocks
         occupancy = (load._num_blocks_committed + num_blocks - prefix) / load.num_blocks_total
