@@ -74,7 +74,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from cluster.load_report import ReplicaLoadTracker
+from cluster.load_report import LOAD_AGE_REFRESH_S, FleetLoads, ReplicaLoadTracker
 from cluster.metrics import register_router_decisions
 from cluster.prefix_index import PrefixIndex
 from cluster.placement import (
@@ -219,6 +219,9 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._trackers: Dict[str, ReplicaLoadTracker] = {}
         # Every tracker's cached hashes, by group bit: one walk finds all groups' prefixes.
         self._prefix_index = PrefixIndex()
+        # The loads of Serve's replica list, patched with the groups changed since (see _fleet).
+        self._fleet_cache: Optional[FleetLoads] = None
+        self._changed: set = set()
         self._pending: "collections.OrderedDict[str, _PendingDecision]" = (
             collections.OrderedDict()
         )
@@ -296,26 +299,9 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         num_tokens: Any,
     ) -> Tuple[Optional[List[List[RunningReplica]]], _PendingDecision]:
         """Ranked replicas and the decision to remember; (None, fallback) to fall back."""
-        now = time.time()
-        loads: List[GroupLoad] = []
-        by_group: Dict[str, RunningReplica] = {}
-        unreported: List[RunningReplica] = []
-        trackers = self._trackers
-        num_dead = 0
-        for replica in candidate_replicas:
-            stats = replica.routing_stats
-            if stats and stats.get("engine_alive") is False:
-                num_dead += 1  # its health check is about to fail: never send it a request
-                continue
-            replica_id = replica.replica_id
-            tracker = trackers.get(replica_id.unique_id) or self._tracker(replica_id)
-            load = tracker.observe(replica.routing_stats, now)
-            if load is None:
-                unreported.append(replica)
-            else:
-                loads.append(load)
-                by_group[load.group_id] = replica
-        if not loads and not unreported and num_dead:
+        fleet = self._fleet(candidate_replicas, time.time())
+        loads, by_group, unreported = fleet.loads, fleet.by_group, fleet.unreported
+        if not loads and not unreported and fleet.num_dead:
             return [], _PendingDecision(0, None, NO_HEALTHY_GROUP)
         if not loads:
             # Still charged where it lands: the first reports then start from the right count.
@@ -340,6 +326,34 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         return ranks, _PendingDecision(demand.num_tokens, placements,
                                        block_hashes=demand.block_hashes,
                                        block_size=demand.block_size or 1)
+
+    def _fleet(self, candidate_replicas: List[RunningReplica], now: float) -> FleetLoads:
+        """The candidates' loads. Serve passes its own replica list, a new object with every
+        replica or report update: its loads are kept and only the groups changed since (charges,
+        releases) are looked at again, for up to LOAD_AGE_REFRESH_S (report ages), so a decision
+        does not touch every group (with 64 groups, the loop below cost 89 us of a 200 us
+        decision when the router's caches were cold, as they are between engine steps)."""
+        fleet = self._fleet_cache
+        changed = self._changed
+        if (fleet is not None and fleet.replicas_list is candidate_replicas
+                and now - fleet.built_at <= LOAD_AGE_REFRESH_S
+                and fleet.patch(self._trackers, changed, now)):
+            changed.clear()
+            return fleet
+        changed.clear()
+        fleet = FleetLoads(candidate_replicas, now)
+        trackers = self._trackers
+        for replica in candidate_replicas:
+            stats = replica.routing_stats
+            if stats and stats.get("engine_alive") is False:
+                fleet.num_dead += 1  # its health check is about to fail: never send it a request
+                continue
+            replica_id = replica.replica_id
+            tracker = trackers.get(replica_id.unique_id) or self._tracker(replica_id)
+            fleet.add(replica, tracker.observe(stats, now))
+        # Only Serve's list is replaced on every update; a list of the caller's may change in place.
+        self._fleet_cache = fleet if candidate_replicas is self._replicas_list else None
+        return fleet
 
     def _demand(
         self, request_kwargs: Mapping[str, Any], num_tokens: Any, groups_block_size: int
@@ -393,13 +407,14 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         tracker = self._trackers.pop(replica_id.unique_id, None)
         if tracker is not None:
             tracker.close()
+        self._fleet_cache = None
 
     def _tracker(self, replica_id: ReplicaID) -> ReplicaLoadTracker:
         group_id = replica_id.unique_id
         tracker = self._trackers.get(group_id)
         if tracker is None:
             tracker = self._trackers[group_id] = ReplicaLoadTracker(
-                group_id, self._settings.charge_ttl_s, self._prefix_index)
+                group_id, self._settings.charge_ttl_s, self._prefix_index, self._changed.add)
         return tracker
 
     def _drop_pending(self, request_id: str) -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass
-from typing import Any, FrozenSet, Mapping, Optional, Sequence, Set, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from cluster.placement import DEFAULT_MAX_REPORT_AGE_S, GroupLoad
 from cluster.prefix_index import PrefixIndex
@@ -84,12 +84,16 @@ class ReplicaLoadTracker:
 
     With an ``index``, every hash counted as cached here is in it under this group's bit too
     (`PrefixIndex`: the router's prefix lookups for all groups at once); ``close`` takes them out.
+    ``on_change(group_id)`` is called whenever the load changes otherwise than by ageing (a
+    report, a charge, a release, a routed prompt), so that a caller may keep loads between calls.
     """
 
     def __init__(self, group_id: str, charge_ttl_s: float = 2 * DEFAULT_MAX_REPORT_AGE_S,
-                 index: Optional[PrefixIndex] = None) -> None:
+                 index: Optional[PrefixIndex] = None,
+                 on_change: Optional[Callable[[str], None]] = None) -> None:
         self.group_id = group_id
         self.charge_ttl_s = charge_ttl_s
+        self._on_change = on_change
         self._index = index
         self._bit = index.add_group(group_id) if index is not None else 0
         self._report: Optional[LoadReport] = None
@@ -136,7 +140,7 @@ class ReplicaLoadTracker:
         self.release(request_id)
         self._charges[request_id] = (now, num_tokens)
         self.num_tokens_sent += num_tokens
-        self._load = None
+        self._changed()
 
     def note_routed(self, block_hashes: Sequence[BlockHash], now: float) -> None:
         """Count ``block_hashes`` (a prompt this group accepted) as cached here from ``now`` on."""
@@ -148,7 +152,7 @@ class ReplicaLoadTracker:
             self._index.add(self._bit, [h for h in block_hashes if h not in held])
         held.update(block_hashes)
         self._expire_routed(now)
-        self._load = None
+        self._changed()
 
     def _expire_routed(self, now: float) -> None:
         routed, held = self._routed, self._held
@@ -163,6 +167,11 @@ class ReplicaLoadTracker:
         if gone and self._index is not None:
             self._index.discard(self._bit, gone)
 
+    def _changed(self) -> None:
+        self._load = None
+        if self._on_change is not None:
+            self._on_change(self.group_id)
+
     def close(self) -> None:
         """Take this group out of the index (the replica is gone)."""
         if self._index is not None:
@@ -174,7 +183,7 @@ class ReplicaLoadTracker:
         charge = self._charges.pop(request_id, None)
         if charge is not None:
             self.num_tokens_sent -= charge[1]
-            self._load = None
+            self._changed()
 
     def _take_report(self, stats: Mapping[str, Any], now: float) -> None:
         self._seen = (stats.get("seq"),)
@@ -201,7 +210,7 @@ class ReplicaLoadTracker:
         while charges and next(iter(charges.values()))[0] < now - self.charge_ttl_s:
             self.num_tokens_sent -= charges.popitem(last=False)[1][1]
         self._expire_routed(now)
-        self._load = None
+        self._changed()
 
     def _build_load(self, report: LoadReport, now: float) -> GroupLoad:
         return GroupLoad(
@@ -216,3 +225,43 @@ class ReplicaLoadTracker:
             report_age_s=max(0.0, now - self._received_at),
             num_tokens_sent_since_report=self.num_tokens_sent,
         )
+
+
+@dataclass
+class FleetLoads:
+    """The loads of one list of replicas, as the router's decision loop builds them: kept and
+    patched between decisions while the list (Serve's, replaced with every replica or report
+    update) stays the same object, for at most ``LOAD_AGE_REFRESH_S``. Replicas are anything
+    with ``replica_id.unique_id`` and ``routing_stats``."""
+
+    replicas_list: Sequence[Any]  # the candidate list it was built from (by identity)
+    built_at: float
+    loads: List[GroupLoad] = field(default_factory=list)
+    replicas: List[Any] = field(default_factory=list)  # loads[i] is replicas[i]'s
+    by_group: Dict[str, Any] = field(default_factory=dict)
+    position: Dict[str, int] = field(default_factory=dict)  # group id -> index in loads
+    unreported: List[Any] = field(default_factory=list)
+    num_dead: int = 0
+
+    def add(self, replica: Any, load: Optional[GroupLoad]) -> None:
+        if load is None:
+            self.unreported.append(replica)
+            return
+        self.position[load.group_id] = len(self.loads)
+        self.loads.append(load)
+        self.replicas.append(replica)
+        self.by_group[load.group_id] = replica
+
+    def patch(self, trackers: Mapping[str, "ReplicaLoadTracker"], changed: Set[str],
+              now: float) -> bool:
+        """Take the new loads of the ``changed`` groups; False if one lost its load (rebuild)."""
+        for group_id in changed:
+            i = self.position.get(group_id)
+            tracker = trackers.get(group_id)
+            if i is None or tracker is None:
+                continue  # not in this list (or gone: a replica update follows)
+            load = tracker.observe(self.replicas[i].routing_stats, now)
+            if load is None:
+                return False
+            self.loads[i] = load
+        return True

@@ -68,7 +68,7 @@ def _num_blocks(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GroupLoad:
     """One TP group's KV load: its replica's last report plus what the router sent it since.
 

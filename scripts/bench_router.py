@@ -139,7 +139,8 @@ def time_decisions(kind: str, num_groups: int, num_decisions: int, cold: bool,
                 "block_hashes": conv[:rng.randrange(SYSTEM_BLOCKS + 1, len(conv))]})
             if flush is not None and k >= 200:
                 flush += 1.0
-            ranks, elapsed = decide(router, replicas, request, loop)
+            # Serve passes its own list, the one update_replicas built
+            ranks, elapsed = decide(router, router._replicas_list, request, loop)
             router.on_request_routed(request, ranks[0][0].replica_id, None)
             if k >= 200:
                 times.append(elapsed)

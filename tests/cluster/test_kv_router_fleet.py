@@ -1,0 +1,95 @@
+"""The KV-aware router called as Serve calls it, with Serve's own replica list: the loads it keeps
+between decisions see every charge, every new report and the age of each report."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import List
+
+import pytest
+
+pytest.importorskip("ray")
+from ray.serve._private.common import DeploymentHandleSource, ReplicaID  # noqa: E402
+
+from cluster import kv_router  # noqa: E402
+from cluster.kv_router import KVAwareRouter  # noqa: E402
+from cluster.placement import PlacementReason  # noqa: E402
+from test_kv_router_ray import DEPLOYMENT, StandInReplica, request, stats  # noqa: E402
+
+
+class ServeStandIn(StandInReplica):
+    """A stand-in replica Serve's ``update_replicas`` accepts."""
+
+    node_id = "node"
+    availability_zone = None
+    max_ongoing_requests = 8
+
+    def __init__(self, name: str, routing_stats: dict) -> None:
+        super().__init__(name, routing_stats)
+        self.multiplexed_model_ids: set = set()
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return 0
+
+
+class Serve:
+    """Drives a router as Serve's routing loop does, on one event loop."""
+
+    def __init__(self, router: KVAwareRouter) -> None:
+        self.router = router
+        self.loop = asyncio.new_event_loop()
+
+    def update(self, replicas: List[ServeStandIn]) -> None:
+        async def update() -> None:
+            self.router.update_replicas(replicas)
+            await asyncio.sleep(0)  # the probes of new replicas run
+
+        self.loop.run_until_complete(update())
+
+    def choose(self, pending) -> List[str]:
+        ranks = self.loop.run_until_complete(
+            self.router.choose_replicas(self.router._replicas_list, pending))
+        return [replica.replica_id.unique_id for rank in ranks for replica in rank]
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+@pytest.fixture
+def serve():
+    router = KVAwareRouter(deployment_id=DEPLOYMENT,
+                           handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(target_occupancy=0.70, max_report_age_s=5.0)
+    driver = Serve(router)
+    yield driver
+    driver.close()
+
+
+def test_charges_reach_the_loads_kept_between_decisions(serve):
+    serve.update([ServeStandIn("a", stats(1, 40)), ServeStandIn("b", stats(1, 40))])
+    pending = [request(f"r{i}", num_tokens=10 * 16) for i in range(6)]
+    firsts = [serve.choose(p)[0] for p in pending]
+    assert firsts == ["a", "b", "a", "b", "a", "b"]
+    serve.router.on_request_routed(pending[0], ReplicaID("b", DEPLOYMENT), None)  # b took it
+    assert serve.router.group_loads()["b"].num_tokens_sent_since_report == 4 * 10 * 16
+
+
+def test_a_new_report_is_seen_by_the_next_decision(serve):
+    serve.update([ServeStandIn("a", stats(1, 10)), ServeStandIn("b", stats(1, 30))])
+    assert serve.choose(request("r1", num_tokens=16))[0] == "a"
+    serve.update([ServeStandIn("a", stats(2, 90)), ServeStandIn("b", stats(1, 30))])
+    assert serve.choose(request("r2", num_tokens=16))[0] == "b"
+
+
+def test_reports_that_stop_arriving_turn_stale_without_a_replica_update(serve, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(kv_router.time, "time", lambda: clock[0])
+    serve.update([ServeStandIn("a", stats(1, 10)), ServeStandIn("b", stats(1, 30))])
+
+    def reasons(request_id: str) -> List[PlacementReason]:
+        assert serve.choose(request(request_id, num_tokens=16))[0] == "a"
+        return [p.reason for p in serve.router._pending[request_id].placements]
+
+    assert reasons("r1") == [PlacementReason.UNDER_TARGET] * 2
+    clock[0] += 6.0  # past max_report_age_s, and no update in between
+    assert reasons("r2") == [PlacementReason.STALE_REPORT] * 2
