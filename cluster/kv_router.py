@@ -74,7 +74,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from cluster.load_report import LOAD_AGE_REFRESH_S, FleetLoads, ReplicaLoadTracker
+from cluster.load_report import FleetLoads, ReplicaLoadTracker
 from cluster.metrics import register_router_decisions
 from cluster.prefix_index import PrefixIndex
 from cluster.placement import (
@@ -329,28 +329,20 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def _fleet(self, candidate_replicas: List[RunningReplica], now: float) -> FleetLoads:
         """The candidates' loads. Serve passes its own replica list, a new object with every
-        replica or report update: its loads are kept and only the groups changed since (charges,
-        releases) are looked at again, for up to LOAD_AGE_REFRESH_S (report ages), so a decision
-        does not touch every group (with 64 groups, the loop below cost 89 us of a 200 us
-        decision when the router's caches were cold, as they are between engine steps)."""
+        replica or report update; `update_replicas` builds its loads, and a decision only looks
+        again at the groups changed since (charges, releases), not at every group: with 64
+        groups the loop over all of them cost 89 us of a 200 us decision when the router's
+        caches were cold, as they are between engine steps (``scripts/bench_router.py``)."""
         fleet = self._fleet_cache
         changed = self._changed
+        max_age_s = self._settings.max_report_age_s
         if (fleet is not None and fleet.replicas_list is candidate_replicas
-                and now - fleet.built_at <= LOAD_AGE_REFRESH_S
+                and fleet.holds_until(now, max_age_s)
                 and fleet.patch(self._trackers, changed, now)):
             changed.clear()
             return fleet
         changed.clear()
-        fleet = FleetLoads(candidate_replicas, now)
-        trackers = self._trackers
-        for replica in candidate_replicas:
-            stats = replica.routing_stats
-            if stats and stats.get("engine_alive") is False:
-                fleet.num_dead += 1  # its health check is about to fail: never send it a request
-                continue
-            replica_id = replica.replica_id
-            tracker = trackers.get(replica_id.unique_id) or self._tracker(replica_id)
-            fleet.add(replica, tracker.observe(stats, now))
+        fleet = FleetLoads(candidate_replicas, self._tracker_of, now, max_age_s)
         # Only Serve's list is replaced on every update; a list of the caller's may change in place.
         self._fleet_cache = fleet if candidate_replicas is self._replicas_list else None
         return fleet
@@ -398,9 +390,11 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         for group_id in list(self._trackers):
             if group_id not in live:
                 self._trackers.pop(group_id).close()
-        # New reports arrive with replica updates: parse them here, off the decision path.
-        for replica in replicas:
-            self._tracker(replica.replica_id).observe(replica.routing_stats, now)
+        # New reports arrive with replica updates: parse them here, off the decision path, into
+        # the loads the decisions use until the next update.
+        self._fleet_cache = FleetLoads(self._replicas_list, self._tracker_of, now,
+                                       self._settings.max_report_age_s)
+        self._changed.clear()
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -408,6 +402,9 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if tracker is not None:
             tracker.close()
         self._fleet_cache = None
+
+    def _tracker_of(self, replica: RunningReplica) -> ReplicaLoadTracker:
+        return self._trackers.get(replica.replica_id.unique_id) or self._tracker(replica.replica_id)
 
     def _tracker(self, replica_id: ReplicaID) -> ReplicaLoadTracker:
         group_id = replica_id.unique_id

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from cluster.placement import DEFAULT_MAX_REPORT_AGE_S, GroupLoad
@@ -227,30 +227,48 @@ class ReplicaLoadTracker:
         )
 
 
-@dataclass
 class FleetLoads:
-    """The loads of one list of replicas, as the router's decision loop builds them: kept and
-    patched between decisions while the list (Serve's, replaced with every replica or report
-    update) stays the same object, for at most ``LOAD_AGE_REFRESH_S``. Replicas are anything
-    with ``replica_id.unique_id`` and ``routing_stats``."""
+    """The loads of one list of replicas, kept by the router between decisions: patched with the
+    groups a charge or release changed, and trusted while the list (Serve's, replaced with every
+    replica or report update) is the same object and no report can have turned stale since it
+    was built (ages only matter against ``max_report_age_s``). Replicas are anything with
+    ``replica_id.unique_id`` and ``routing_stats``; a replica whose report says its engine died
+    (``"engine_alive": false``) is counted in ``num_dead`` and left out."""
 
-    replicas_list: Sequence[Any]  # the candidate list it was built from (by identity)
-    built_at: float
-    loads: List[GroupLoad] = field(default_factory=list)
-    replicas: List[Any] = field(default_factory=list)  # loads[i] is replicas[i]'s
-    by_group: Dict[str, Any] = field(default_factory=dict)
-    position: Dict[str, int] = field(default_factory=dict)  # group id -> index in loads
-    unreported: List[Any] = field(default_factory=list)
-    num_dead: int = 0
+    __slots__ = ("replicas_list", "built_at", "loads", "replicas", "by_group", "position",
+                 "unreported", "num_dead", "_oldest_fresh_age_s")
 
-    def add(self, replica: Any, load: Optional[GroupLoad]) -> None:
-        if load is None:
-            self.unreported.append(replica)
-            return
-        self.position[load.group_id] = len(self.loads)
-        self.loads.append(load)
-        self.replicas.append(replica)
-        self.by_group[load.group_id] = replica
+    def __init__(self, replicas_list: Sequence[Any], tracker_of: Callable[[Any], "ReplicaLoadTracker"],
+                 now: float, max_report_age_s: float) -> None:
+        self.replicas_list = replicas_list  # compared by identity
+        self.built_at = now
+        self.loads: List[GroupLoad] = []
+        self.replicas: List[Any] = []  # loads[i] is replicas[i]'s
+        self.by_group: Dict[str, Any] = {}
+        self.position: Dict[str, int] = {}  # group id -> index in loads
+        self.unreported: List[Any] = []
+        self.num_dead = 0
+        oldest = 0.0
+        for replica in replicas_list:
+            stats = replica.routing_stats
+            if stats and stats.get("engine_alive") is False:
+                self.num_dead += 1  # its health check is about to fail: never send it a request
+                continue
+            load = tracker_of(replica).observe(stats, now)
+            if load is None:
+                self.unreported.append(replica)
+                continue
+            self.position[load.group_id] = len(self.loads)
+            self.loads.append(load)
+            self.replicas.append(replica)
+            self.by_group[load.group_id] = replica
+            if oldest < load.report_age_s <= max_report_age_s:
+                oldest = load.report_age_s
+        self._oldest_fresh_age_s = oldest
+
+    def holds_until(self, now: float, max_report_age_s: float) -> bool:
+        """Whether every fresh report it holds is still fresh at ``now`` (stale ones stay so)."""
+        return self._oldest_fresh_age_s + (now - self.built_at) <= max_report_age_s
 
     def patch(self, trackers: Mapping[str, "ReplicaLoadTracker"], changed: Set[str],
               now: float) -> bool:
