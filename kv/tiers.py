@@ -212,13 +212,23 @@ class KVTiers:
                 continue
             if self._is_selected(block_hash):
                 self.pacer.offer(block.block_id, (block, block_hash))
-        self._issue_paced()  # without a bandwidth bound: all of them, now
+        # Issued by the next take_ops (without a bandwidth bound: all of them), so behind the
+        # restores the next step's admissions queue: a step that waits for its restores does
+        # not wait for these copies too. A block the pool reuses before then is spilled as it
+        # is reused (``_on_device_evict``).
 
     def _on_device_evict(self, block: Block) -> None:
-        """The pool is about to reuse cached ``block``: a queued spill of it is dropped (it no
-        longer holds those bytes by the time its turn comes); write-back spills it now."""
-        self.pacer.discard(block.block_id)
+        """The pool is about to reuse cached ``block``: a queued spill of it is issued now,
+        ahead of the reuse, when no bandwidth bound paces the spills, and dropped otherwise (it
+        would no longer hold those bytes by the time its turn comes); write-back spills it now."""
         block_hash = block.block_hash
+        if not self.pacer.is_bounded:
+            queued = self.pacer.pop(block.block_id)
+            if (queued is not None and self._is_still_cached(queued)
+                    and block_hash not in self.host.entries):
+                self._spill(block, block_hash)  # type: ignore[arg-type]
+        else:
+            self.pacer.discard(block.block_id)
         if (self.write_policy == "write_back" and block_hash is not None
                 and block_hash not in self.host.entries):
             if self._spill(block, block_hash):

@@ -98,6 +98,15 @@ class SpillPacer:
             self._pending.popitem(last=False)
             self.num_dropped += 1
 
+    @property
+    def is_bounded(self) -> bool:
+        """Whether a rate bounds the spills (else ``take`` returns every queued item)."""
+        return self._rate is not None
+
+    def pop(self, key: object) -> Optional[object]:
+        """Take a queued item out of the queue now (not counted as dropped); None if absent."""
+        return self._pending.pop(key, None)
+
     def discard(self, key: object) -> bool:
         """Drop a queued item (its block is going away); True if it was queued."""
         if self._pending.pop(key, None) is None:

@@ -134,8 +134,7 @@ class Scheduler:
             self._admit(budget, steps, scheduled, finished)
         tier_ops = self.kv.tiers.take_ops() if self.kv.tiers is not None else ()
         if self.run_transfers is not None and any(isinstance(op, Restore) for op in tier_ops):
-            self._restore_now(tier_ops, steps, scheduled)
-            tier_ops = ()
+            tier_ops = self._restore_now(tier_ops, steps, scheduled)
         # Nothing to compute: the ranks wait for the transfers instead of polling them.
         plan = StepPlan(tuple(steps), tuple(self._freed_seq_ids), tier_ops=tier_ops,
                         wait_spill_reads=self._writes_spilling_block(scheduled),
@@ -144,17 +143,20 @@ class Scheduler:
         return ScheduledStep(plan, tuple(scheduled), tuple(finished))
 
     def _restore_now(self, tier_ops: Tuple[TierOp, ...], steps: List[SeqStep],
-                     scheduled: List[Tuple[Request, int]]) -> None:
-        """Run this step's transfers on every rank and wait for them before its compute, then
-        schedule the requests they restored into this step, within what is left of the token
-        budget and without preempting anyone (those that do not fit run next step).
+                     scheduled: List[Tuple[Request, int]]) -> Tuple[TierOp, ...]:
+        """Run this step's transfers up to its last restore on every rank and wait for them
+        before its compute, then schedule the requests they restored into this step, within what
+        is left of the token budget and without preempting anyone (those that do not fit run
+        next step). Returns the ops after the last restore, for the step's plan.
 
         A restore from host is a copy of a few MB (from disk, a read); waiting for it costs far
         less than the step a restored request would otherwise wait, and its first token comes
-        one step sooner. The transfers queued before the restores (spills) are waited for too:
-        the worker runs them in order."""
+        one step sooner. The ops after it (spills of blocks released the step before, their
+        disk writes) run during the step's compute, as every step's do. Ops queued before it
+        are waited for too: the worker runs them in order."""
         assert self.run_transfers is not None
-        results = self.run_transfers(tier_ops)
+        last = max(i for i, op in enumerate(tier_ops) if isinstance(op, Restore))
+        results = self.run_transfers(tier_ops[:last + 1])
         num_running = len(self.running)
         if results is not None:
             assert self.kv.tiers is not None
@@ -170,6 +172,7 @@ class Scheduler:
             steps.append(self._seq_step(request, num_new))
             scheduled.append((request, num_new))
             budget -= num_new
+        return tier_ops[last + 1:]
 
     def _writes_spilling_block(self, scheduled: List[Tuple[Request, int]]) -> bool:
         """Whether this step writes KV into a block that a queued spill may still be reading."""

@@ -135,11 +135,12 @@ def test_preempting_into_a_host_tier_of_private_slots_skips_write_through():
     assert tiers.stats.num_spills_skipped == 1  # y's full block (4, 5): no slot to take
     assert [type(op) for op in step.plan.tier_ops] == [Spill]  # the tail's swap-out only
     assert tiers.usage()["spills_skipped_total"] == 1
-    h.scheduler.finish(x, FinishReason.STOP)  # x's full blocks find no slot either
-    assert tiers.stats.num_spills_skipped == 3
-    # y's full block is still cached on the device, so its tail comes back from its slot.
+    h.scheduler.finish(x, FinishReason.STOP)
+    # y's full block is still cached on the device, so its tail comes back from its slot; x's
+    # full blocks are spilled behind that copy, into the slot it frees (read first: in order).
     step = h.step()
-    assert [type(op) for op in step.plan.tier_ops] == [Restore]
+    assert [type(op) for op in step.plan.tier_ops] == [Restore, Spill, Spill]
+    assert tiers.stats.num_spills_skipped == 1
     assert y.status == RequestStatus.RUNNING and y.num_computed_tokens == 3
     assert tiers.stats.num_swapped_in == 1
     assert y.swapped_tail is None and tiers.host.can_take()  # the private slot came back
@@ -203,3 +204,38 @@ def test_with_the_engines_hook_a_restored_request_computes_in_the_step_that_rest
     b_step = next(s for s in step.plan.seqs if s.seq_id == b.seq_id)
     assert b_step.num_computed == 6 and b_step.token_ids == (16, 17)
     assert b.status == RequestStatus.RUNNING and b.num_computed_tokens == 8
+
+
+def test_a_step_that_restores_waits_for_its_restores_only_not_the_spills_of_released_blocks():
+    """Blocks released the step before are spilled behind the restores and run with the step's
+    compute: the ranks wait for b's restores alone (the issue's "a step never waits for a spill
+    that no scheduled request needs")."""
+    h = Harness(num_blocks=10)
+    ran = []
+
+    def run_transfers(ops):
+        ran.append(ops)
+        tiers = h.kv.tiers
+        first = tiers.num_committed
+        return TierOpResults(first, (OpStatus.OK,) * len(ops))
+
+    h.scheduler.run_transfers = run_transfers
+    a = h.add([10, 11, 12, 13, 14, 15])
+    h.step()
+    h.scheduler.finish(a, FinishReason.STOP)
+    h.step()
+    d = h.add(list(range(20, 40)))  # 10 blocks: evicts a's blocks from the device
+    h.step()
+    h.scheduler.finish(d, FinishReason.STOP)
+    h.step()
+    c = h.add([40, 41, 42])
+    e = h.add([50, 51, 52, 53, 54, 55])
+    h.step()
+    h.scheduler.finish(e, FinishReason.STOP)  # its 3 full blocks go down to host
+    b = h.add([10, 11, 12, 13, 14, 15, 16, 17])  # a's prefix: only on host now
+    ran.clear()
+    step = h.step()
+    assert [type(op) for op in ran[0]] == [Restore] * 3
+    assert [type(op) for op in step.plan.tier_ops] == [Spill] * 3  # queued behind, not waited
+    assert {s.seq_id for s in step.plan.seqs} == {b.seq_id, c.seq_id}
+    assert b.num_computed_tokens == 8
