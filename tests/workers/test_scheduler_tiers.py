@@ -37,6 +37,27 @@ class Harness:
         self.scheduler.add(request)
         return request
 
+    def run_transfers_first(self):
+        """Give the scheduler the engine's hook (every op it is handed succeeds); returns the
+        list of the op tuples it was handed."""
+        ran = []
+
+        def run_transfers(ops):
+            ran.append(ops)
+            return TierOpResults(self.kv.tiers.num_committed, (OpStatus.OK,) * len(ops))
+
+        self.scheduler.run_transfers = run_transfers
+        return ran
+
+    def send_to_host(self, prompt, num_filler_tokens):
+        """Run ``prompt`` and finish it (its full blocks are written through to host), then a
+        request of ``num_filler_tokens`` that fills the pool and evicts them from the device."""
+        for tokens in (list(prompt), list(range(20, 20 + num_filler_tokens))):
+            request = self.add(tokens)
+            self.step()
+            self.scheduler.finish(request, FinishReason.STOP)
+            self.step()
+
     def step(self):
         step = self.scheduler.schedule()
         tiers = self.kv.tiers
@@ -176,26 +197,11 @@ def test_with_the_engines_hook_a_restored_request_computes_in_the_step_that_rest
     """The hook runs the step's transfers first (every one succeeds here): b's prefix comes back
     from host and b computes its two new tokens in that same step, beside c."""
     h = Harness(num_blocks=8)
-    ran = []
-
-    def run_transfers(ops):
-        ran.append(ops)
-        tiers = h.kv.tiers
-        first = tiers.num_committed
-        return TierOpResults(first, (OpStatus.OK,) * (tiers.num_issued - first))
-
-    h.scheduler.run_transfers = run_transfers
-    a = h.add([10, 11, 12, 13, 14, 15])
-    h.step()
-    h.scheduler.finish(a, FinishReason.STOP)
-    h.step()
-    d = h.add(list(range(20, 36)))  # evicts a's blocks from the device
-    h.step()
-    h.scheduler.finish(d, FinishReason.STOP)
-    h.step()
+    ran = h.run_transfers_first()
+    h.send_to_host([10, 11, 12, 13, 14, 15], num_filler_tokens=16)
     c = h.add([40, 41, 42])
     h.step()
-    b = h.add([10, 11, 12, 13, 14, 15, 16, 17])  # a's prefix: only on host now
+    b = h.add([10, 11, 12, 13, 14, 15, 16, 17])  # the first prompt's blocks: only on host now
     ran.clear()
     step = h.step()
     assert [type(op) for op in ran[0]].count(Restore) == 3
@@ -211,28 +217,13 @@ def test_a_step_that_restores_waits_for_its_restores_only_not_the_spills_of_rele
     compute: the ranks wait for b's restores alone (the issue's "a step never waits for a spill
     that no scheduled request needs")."""
     h = Harness(num_blocks=10)
-    ran = []
-
-    def run_transfers(ops):
-        ran.append(ops)
-        tiers = h.kv.tiers
-        first = tiers.num_committed
-        return TierOpResults(first, (OpStatus.OK,) * len(ops))
-
-    h.scheduler.run_transfers = run_transfers
-    a = h.add([10, 11, 12, 13, 14, 15])
-    h.step()
-    h.scheduler.finish(a, FinishReason.STOP)
-    h.step()
-    d = h.add(list(range(20, 40)))  # 10 blocks: evicts a's blocks from the device
-    h.step()
-    h.scheduler.finish(d, FinishReason.STOP)
-    h.step()
+    ran = h.run_transfers_first()
+    h.send_to_host([10, 11, 12, 13, 14, 15], num_filler_tokens=20)
     c = h.add([40, 41, 42])
     e = h.add([50, 51, 52, 53, 54, 55])
     h.step()
     h.scheduler.finish(e, FinishReason.STOP)  # its 3 full blocks go down to host
-    b = h.add([10, 11, 12, 13, 14, 15, 16, 17])  # a's prefix: only on host now
+    b = h.add([10, 11, 12, 13, 14, 15, 16, 17])  # the first prompt's blocks: only on host now
     ran.clear()
     step = h.step()
     assert [type(op) for op in ran[0]] == [Restore] * 3
