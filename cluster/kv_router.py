@@ -2,7 +2,9 @@
 
     caller: handle.generate.remote(payload, num_tokens=T, block_hashes=H)   (block_size=B optional)
       -> KVAwareRouter.choose_replicas: each replica's routing stats + tokens charged to it since
-         -> GroupLoads -> rank_groups -> [[best replica], [next], ..., [replicas without a report]]
+         -> GroupLoads (built on each replica update, patched per charge: `FleetLoads`)
+         + every group's cached prefix of H in one walk (`PrefixIndex`)
+         -> rank_groups -> [[best replica], [next], ..., [replicas without a report]]
          and T is charged to the first choice at once (the rest of a burst must see it)
       -> Serve tries the ranks in order (a full replica, by its queue length, is passed over)
       -> on_request_routed: a replica accepted it; count the reason, move the charge there
@@ -76,7 +78,6 @@ from ray.serve.request_router import (
 
 from cluster.load_report import FleetLoads, ReplicaLoadTracker
 from cluster.metrics import register_router_decisions
-from cluster.prefix_index import PrefixIndex
 from cluster.placement import (
     DEFAULT_LOAD_WEIGHT,
     DEFAULT_MAX_REPORT_AGE_S,
@@ -87,6 +88,8 @@ from cluster.placement import (
     RequestDemand,
     rank_groups,
 )
+from cluster.prefix_index import PrefixIndex
+from cluster.router_settings import RouterSettings
 from kv.prefix_hash import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -145,44 +148,13 @@ def kv_aware_router_config(
         prefix_weight=prefix_weight,
         load_weight=load_weight,
     )
-    _RouterSettings(**kwargs)  # raises ValueError now, not on the first request
+    RouterSettings(**kwargs)  # raises ValueError now, not on the first request
     return RequestRouterConfig(
         request_router_class=KVAwareRouter,
         request_router_kwargs=kwargs,
         request_routing_stats_period_s=stats_period_s,
         request_routing_stats_timeout_s=stats_timeout_s or max(1.0, 2 * stats_period_s),
     )
-
-
-@dataclass(frozen=True)
-class _RouterSettings:
-    """``request_router_kwargs`` of `KVAwareRouter`."""
-
-    target_occupancy: float = DEFAULT_TARGET_OCCUPANCY
-    max_report_age_s: float = DEFAULT_MAX_REPORT_AGE_S
-    charge_ttl_s: float = 2 * DEFAULT_MAX_REPORT_AGE_S
-    block_size: Optional[int] = None
-    num_decision_times: int = 4096
-    prefix_weight: float = DEFAULT_PREFIX_WEIGHT
-    load_weight: float = DEFAULT_LOAD_WEIGHT
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.target_occupancy <= 1.0:
-            raise ValueError(
-                f"target_occupancy must be in (0, 1] (a fraction of the KV pool), "
-                f"got {self.target_occupancy}"
-            )
-        if not self.max_report_age_s > 0:
-            raise ValueError(f"max_report_age_s must be positive, got {self.max_report_age_s}")
-        if not self.charge_ttl_s > 0:
-            raise ValueError(f"charge_ttl_s must be positive, got {self.charge_ttl_s}")
-        if self.block_size is not None and self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.num_decision_times < 1:
-            raise ValueError(f"num_decision_times must be >= 1, got {self.num_decision_times}")
-        if not (self.prefix_weight >= 0 and self.load_weight >= 0):
-            raise ValueError(f"prefix_weight and load_weight must not be negative, got "
-                             f"{self.prefix_weight} and {self.load_weight}")
 
 
 @dataclass
@@ -213,7 +185,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._settings = _RouterSettings()
+        self._settings = RouterSettings()
         # By ReplicaID.unique_id: a str hashes in C, a ReplicaID in Python (this is per replica
         # per decision).
         self._trackers: Dict[str, ReplicaLoadTracker] = {}
@@ -235,7 +207,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         """Takes ``request_router_kwargs``: see `kv_aware_router_config`."""
-        self._settings = _RouterSettings(**kwargs)
+        self._settings = RouterSettings(**kwargs)
         self._decision_times_us = collections.deque(maxlen=self._settings.num_decision_times)
 
     @property
