@@ -63,7 +63,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Deque, Dict, List, Mapping, Optional, Set, Tuple
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.config import RequestRouterConfig
@@ -193,7 +193,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._prefix_index = PrefixIndex()
         # The loads of Serve's replica list, patched with the groups changed since (see _fleet).
         self._fleet_cache: Optional[FleetLoads] = None
-        self._changed: set = set()
+        self._changed: Set[str] = set()
         self._pending: "collections.OrderedDict[str, _PendingDecision]" = (
             collections.OrderedDict()
         )
@@ -294,7 +294,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         )
         ranks = [[by_group[placement.group_id]] for placement in placements]
         if unreported:
-            ranks.append(unreported)
+            ranks.append(list(unreported))  # a copy: the kept loads must not change with it
         return ranks, _PendingDecision(demand.num_tokens, placements,
                                        block_hashes=demand.block_hashes,
                                        block_size=demand.block_size or 1)
