@@ -5,7 +5,7 @@ group.
     index = PrefixIndex()
     bit = index.add_group("g1")            # a bit of its own
     index.add(bit, hashes); index.discard(bit, hashes)
-    index.prefix_blocks(request_hashes)    # {"g1": 12, ...}: groups holding a prefix, and its length
+    index.prefix_blocks(request_hashes)    # {"g1": 12, ...}: the groups holding a prefix
 
 Block hashes are chained (`kv.prefix_hash`): a block's hash names its whole prefix, so a group's
 cached prefix is the leading run of request hashes it holds. The index maps each hash to the
