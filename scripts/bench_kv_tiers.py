@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -72,19 +73,19 @@ import torch  # noqa: E402
 from workers.default_model import resolve_model_path  # noqa: E402
 from workers.model_config import ModelConfig, load_model_config  # noqa: E402
 
-from tier_bandwidth import TARGET_COPY_RATIO, TARGET_DISK_RATIO, run_copies, run_disk  # noqa
+from tier_bandwidth import run_copies, run_disk  # noqa: E402
 from traces import (MOONCAKE_BLOCK_TOKENS, MOONCAKE_SYNTHETIC_TRACE, BlockTokens,  # noqa: E402
                     TraceError, TraceRequest, conversation_ids, ideal_hit_rate, read_mooncake,
                     sample_conversations)
-from tier_replay import (MIN_TOKEN_ID, TierSizes, engine_config, figures_of,  # noqa: E402
-                         fit_context, parse_config_name, plot_ttft, print_replay, replay,
-                         tier_sizes)
+from serve_workload import poisson_times  # noqa: E402
+from tier_replay import (MIN_TOKEN_ID, ReplayResult, TierSizes, engine_config,  # noqa: E402
+                         fit_context, parse_config_name, replay, tier_sizes)
+from tier_report import (figures_of, plot_load_sweep, plot_ttft, print_replay,  # noqa: E402
+                         print_sweep, verdict)
 from tier_workloads import WORKLOADS, hot_prompts, no_reuse  # noqa: E402
 
 DEFAULT_TRACE = MOONCAKE_SYNTHETIC_TRACE
-TARGET_HIT_OF_IDEAL = 0.95
-TARGET_TTFT_GAIN = 0.20
-DEFAULT_TIER_CONFIG = "lru"  # the engine's defaults: LRU, write-through
+DEFAULT_LOAD = 0.8  # --rate auto: offered load, a fraction of device-only's sustained rate
 DEFAULT_CONFIGS = ("device_only", "lru", "lru_selective", "lru_write_back", "hotness_write_back")
 # Full run / --quick defaults of the size flags (None on the command line: take these).
 SIZES = {
@@ -130,7 +131,16 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="hits a block needs under the selective write policy")
     p.add_argument("--kv-spill-gbps", type=float, default=None,
                    help="spill bandwidth bound of every tiered config (default: none)")
-    p.add_argument("--in-flight", type=int, help="requests in flight in (c) (4; quick 2)")
+    p.add_argument("--in-flight", type=int,
+                   help="(c): requests the engine runs at once (max_num_seqs), and the closed "
+                        "loop's requests in flight (4; quick 2)")
+    p.add_argument("--rate", default="auto",
+                   help="(c) arrivals: 'auto' (Poisson at --load times the rate device-only "
+                        "sustains in a closed-loop calibration replay), 'closed' (closed loop, "
+                        "--in-flight requests in flight), or a rate in requests/s (Poisson)")
+    p.add_argument("--load", default=None,
+                   help=f"--rate auto: offered load(s), fractions of the sustained rate, comma "
+                        f"separated for a sweep (default {DEFAULT_LOAD})")
     p.add_argument("--max-output", type=int, help="cap on output tokens in (c) (4; quick 2)")
     p.add_argument("--disk-dir", type=Path, default=None,
                    help="where (b) and the disk tiers of (c) write, in a fresh subdirectory "
@@ -140,6 +150,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the conversation sample")
     args = p.parse_args(argv)
     _check_args(p, args)
+    _check_rate(p, args)
     return args
 
 
@@ -169,6 +180,26 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(str(exc))
     if not args.configs or len(set(args.configs)) != len(args.configs):
         p.error("--configs must name each config once")
+
+
+def _check_rate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.rate``: 'auto', 'closed' or a positive float; ``args.load``: a list of positive
+    loads under 'auto' (refused with the others, which would ignore it)."""
+    if args.rate not in ("auto", "closed"):
+        try:
+            args.rate = float(args.rate)
+        except ValueError:
+            p.error(f"--rate must be auto, closed or requests per second, got {args.rate!r}")
+        if not args.rate > 0:
+            p.error(f"--rate must be positive, got {args.rate}")
+    if args.load is not None and args.rate != "auto":
+        p.error(f"--load applies to --rate auto only (--rate is {args.rate})")
+    try:
+        args.load = [float(x) for x in (args.load or str(DEFAULT_LOAD)).split(",")]
+    except ValueError:
+        p.error(f"--load must be comma-separated fractions, got {args.load!r}")
+    if any(not x > 0 for x in args.load) or len(set(args.load)) != len(args.load):
+        p.error(f"--load must be distinct positive fractions, got {args.load}")
 
 
 def load_model(args: argparse.Namespace) -> ModelConfig:
@@ -231,79 +262,73 @@ def run_replays(rows: List[TraceRequest], model: ModelConfig, args: argparse.Nam
     tokens = BlockTokens(args.block_size, model.vocab_size, MIN_TOKEN_ID)
     prompts = [tokens.prompt(r.hash_ids) for r in subset]
     outputs = [r.num_output_tokens for r in subset]
-    results = []
-    for name in args.configs:
+
+    def run_one(name: str, arrivals: Optional[List[float]], label: str) -> ReplayResult:
         config = engine_config(name, args.model, args.block_size, args.in_flight, sizes,
                                directory, args.write_threshold, args.kv_spill_gbps)
-        result = replay(name, config, prompts, outputs, model.vocab_size)
-        print(f"  {name:<20} {result.wall_s:7.1f} s  hit rate {result.hit_rate:.3f}  mean TTFT "
-              f"{result.ttft_ms():.1f} ms  (load average {result.load_average:.1f})", flush=True)
-        results.append(result)
+        result = replay(name, config, prompts, outputs, model.vocab_size, arrivals)
+        print(f"  {label}{name:<20} {result.wall_s:7.1f} s  hit rate {result.hit_rate:.3f}  "
+              f"mean TTFT {result.ttft_ms():.1f} ms  p99 {result.ttft_ms(0.99):.1f} ms  "
+              f"(load average {result.load_average:.1f})", flush=True)
+        return result
+
+    figures, schedules = arrival_schedules(args, len(subset), run_one)
+    sweep = []
+    for load, rate, arrivals in schedules:
+        label = "closed loop: " if arrivals is None else f"{rate:.2f} req/s: "
+        sweep.append((load, rate, [run_one(name, arrivals, label) for name in args.configs]))
+    results = sweep[0][2]
     print_replay(results, ideal)
     plot = args.plot or Path(f"bench_kv_tiers_{args.workload}.png")
+    arrival = ("closed loop" if sweep[0][1] is None
+               else f"Poisson {sweep[0][1]:.2f} req/s" + (f" (load {sweep[0][0]:g})"
+                                                          if sweep[0][0] else ""))
     plot_ttft(results, plot, f"TTFT by tier config: {args.workload}, {len(subset)} requests, "
-              f"device {sizes.device / sizes.unique:.2f} of the working set")
+              f"device {sizes.device / sizes.unique:.2f} of the working set, {arrival}")
     print(f"  plot: {plot}")
-    figures: Dict[str, object] = {
+    if len(sweep) > 1:
+        figures["load_sweep"] = print_sweep(sweep)
+        sweep_plot = plot.with_name(plot.stem + "_load" + plot.suffix)
+        plot_load_sweep(sweep, sweep_plot, f"TTFT against offered load: {args.workload}, "
+                        f"{len(subset)} requests, Poisson arrivals")
+        figures["load_sweep_plot"] = str(sweep_plot)
+        print(f"  plot: {sweep_plot}")
+    figures.update({
         "workload": args.workload, "num_requests": len(subset), "num_trace_requests": len(rows),
         "num_blocks": sum(len(r.hash_ids) for r in subset), "num_unique_blocks": sizes.unique,
         "ideal_hit_rate": ideal, "root_frac": args.root_frac, "in_flight": args.in_flight,
         "device_blocks": sizes.device, "host_blocks": sizes.host, "disk_kv_blocks": sizes.disk,
         "device_frac": sizes.device / sizes.unique, "host_frac": sizes.host / sizes.unique,
         "token_scale": args.block_size / MOONCAKE_BLOCK_TOKENS, "max_output": args.max_output,
-        "configs": args.configs, "plot": str(plot)}
+        "configs": args.configs, "plot": str(plot), "arrival": arrival,
+        "arrival_rate_req_s": sweep[0][1], "load": sweep[0][0]})
     for r in results:
         figures.update(figures_of(r))
     return figures
 
 
-def verdict(figures: Dict[str, object]) -> Dict[str, object]:
-    """The issue's targets, met or not, for whatever parts ran; printed and returned."""
-    met: Dict[str, bool] = {}
-    print("\ntargets:")
-    if "host_copy_ratio" in figures:
-        met["host_copy_ratio_ge_0.8"] = figures["host_copy_ratio"] >= TARGET_COPY_RATIO
-        print(f"  tier copies >= {TARGET_COPY_RATIO:.0%} of plain copy_: "
-              f"{figures['host_copy_ratio']:.2f} -> {_met(met['host_copy_ratio_ge_0.8'])}")
-    if "disk_ratio" in figures:
-        met["disk_ratio_ge_0.8"] = figures["disk_ratio"] >= TARGET_DISK_RATIO
-        print(f"  disk >= {TARGET_DISK_RATIO:.0%} of raw O_DIRECT: {figures['disk_ratio']:.2f} "
-              f"-> {_met(met['disk_ratio_ge_0.8'])}")
-    out: Dict[str, object] = {"targets_met": met}
-    tiered = [c for c in figures.get("configs", []) if c != "device_only"]
-    if "ttft_ms_device_only" not in figures or not tiered:
-        return out
-    per_config = {c: replay_targets(figures, c) for c in tiered}
-    for name, result in per_config.items():
-        print(f"  {name}: hit rate {result['hit_frac_of_ideal']:.2f} of ideal (>= "
-              f"{TARGET_HIT_OF_IDEAL:.0%}), mean TTFT {result['mean_ttft_gain']:.0%} below "
-              f"device-only (>= {TARGET_TTFT_GAIN:.0%}), p99 TTFT "
-              f"{result['p99_ttft_vs_device_only']:.2f}x device-only (<= 1) -> "
-              f"{_met(result['all_met'])}")
-    winners = [c for c, result in per_config.items() if result["all_met"]]
-    reference = DEFAULT_TIER_CONFIG if DEFAULT_TIER_CONFIG in per_config else tiered[0]
-    met.update({f"{reference}_{k}": v for k, v in per_config[reference].items()
-                if isinstance(v, bool)})
-    print(f"  configs meeting all three: {', '.join(winners) or 'none'}")
-    out.update({"replay_targets": per_config, "configs_meeting_targets": winners})
-    return out
-
-
-def replay_targets(figures: Dict[str, object], name: str) -> Dict[str, object]:
-    """One tiered config's figures against device-only's in the same run."""
-    ideal, base = figures["ideal_hit_rate"], figures["ttft_ms_device_only"]
-    hit_frac = figures[f"hit_rate_{name}"] / ideal if ideal else 1.0
-    gain = 1 - figures[f"ttft_ms_{name}"] / base
-    p99 = figures[f"ttft_p99_ms_{name}"] / figures["ttft_p99_ms_device_only"]
-    flags = {"hit_rate_ge_0.95_ideal": hit_frac >= TARGET_HIT_OF_IDEAL,
-             "mean_ttft_ge_20pct_below_device_only": gain >= TARGET_TTFT_GAIN,
-             "p99_ttft_not_above_device_only": p99 <= 1.0}
-    return {"hit_frac_of_ideal": hit_frac, "mean_ttft_gain": gain,
-            "p99_ttft_vs_device_only": p99, **flags, "all_met": all(flags.values())}
-
-
-def _met(flag: bool) -> str:
-    return "met" if flag else "NOT met"
+def arrival_schedules(args: argparse.Namespace, num: int, run_one) -> Tuple[
+        Dict[str, object], List[Tuple[Optional[float], Optional[float], Optional[List[float]]]]]:
+    """``(load, rate, arrival times)`` per replay round: one closed-loop round (times None), one
+    at a fixed rate, or one per ``--load`` after a closed-loop device-only calibration replay
+    (whose sustained rate, requests / replay time, ``--rate auto`` scales). The same seeded
+    Poisson times serve every config of a round."""
+    if args.rate == "closed":
+        return {}, [(None, None, None)]
+    if args.rate != "auto":
+        return {}, [(None, args.rate, poisson_times(num, args.rate, random.Random(args.seed)))]
+    print("  calibration (--rate auto): device-only, closed loop", flush=True)
+    calibration = run_one("device_only", None, "calibration: ")
+    sustained = num / calibration.wall_s
+    print(f"  sustained {sustained:.2f} req/s; offered: "
+          + ", ".join(f"{load:g} x = {load * sustained:.2f} req/s" for load in args.load),
+          flush=True)
+    figures = {"sustained_req_s_device_only": sustained,
+               "closed_loop_ttft_ms_device_only": calibration.ttft_ms(),
+               "closed_loop_ttft_p99_ms_device_only": calibration.ttft_ms(0.99)}
+    return figures, [(load, load * sustained,
+                      poisson_times(num, load * sustained, random.Random(args.seed)))
+                     for load in args.load]
 
 
 def run(args: argparse.Namespace) -> Dict[str, object]:

@@ -103,29 +103,34 @@ def engine_config(name: str, model: str, block_size: int, in_flight: int, sizes:
 
 
 def replay(name: str, config: EngineConfig, prompts: Sequence[List[int]],
-           outputs: Sequence[int], vocab_size: int) -> ReplayResult:
-    """Closed loop: ``max_num_seqs`` requests in flight; TTFT per request, hit rate of the run."""
+           outputs: Sequence[int], vocab_size: int,
+           arrivals: Optional[Sequence[float]] = None) -> ReplayResult:
+    """Closed loop when ``arrivals`` is None: ``max_num_seqs`` requests in flight, the next added
+    when one finishes, TTFT from its ``add_request``. Open loop otherwise: request ``i`` arrives
+    ``arrivals[i]`` seconds after the start whatever is running (the engine runs
+    ``max_num_seqs`` of them and queues the rest) and its TTFT counts from that arrival."""
     with LLMEngine(config) as engine:
         warm = random.Random("warm-up")  # tokens no trace block has, so nothing hits on them
         _drain(engine, [warm.randrange(MIN_TOKEN_ID, vocab_size) for _ in range(40)], 2)
         kv = engine.scheduler.kv
         queries, hits = kv.num_prefix_queries, kv.num_prefix_hits
         preemptions = engine.scheduler.num_preemptions
-        added: Dict[str, float] = {}
+        due = _Due(len(prompts), arrivals, config.max_num_seqs)
+        arrived: Dict[str, float] = {}
         ttft: Dict[str, float] = {}
-        pending = list(range(len(prompts)))[::-1]
-        num_running = 0
         started = time.perf_counter()
-        while pending or engine.has_unfinished():
-            while pending and num_running < config.max_num_seqs:
-                i = pending.pop()
-                added[str(i)] = time.perf_counter()
+        while due.pending or engine.has_unfinished():
+            now = time.perf_counter() - started
+            for i in due.take(now):
+                arrived[str(i)] = started + (now if arrivals is None else arrivals[i])
                 engine.add_request(prompts[i], _params(outputs[i]), request_id=str(i))
-                num_running += 1
+            if not engine.has_unfinished():
+                time.sleep(max(0.0, due.next_arrival() - now))  # open loop, nothing arrived yet
+                continue
             for out in engine.step():
                 if out.new_token_ids and out.request_id not in ttft:
-                    ttft[out.request_id] = time.perf_counter() - added[out.request_id]
-                num_running -= out.finished
+                    ttft[out.request_id] = time.perf_counter() - arrived[out.request_id]
+                due.num_running -= out.finished
         wall_s = time.perf_counter() - started
         num_queries = kv.num_prefix_queries - queries
         result = ReplayResult(name, wall_s, list(ttft.values()),
@@ -136,6 +141,32 @@ def replay(name: str, config: EngineConfig, prompts: Sequence[List[int]],
     return result
 
 
+class _Due:
+    """Which requests to add now: in order, while fewer than ``max_in_flight`` run (closed
+    loop), or those whose arrival time has come (open loop)."""
+
+    def __init__(self, num: int, arrivals: Optional[Sequence[float]], max_in_flight: int):
+        if arrivals is not None and len(arrivals) != num:
+            raise ValueError(f"{len(arrivals)} arrival times for {num} requests")
+        self.pending = list(range(num))[::-1]
+        self.arrivals = arrivals
+        self.max_in_flight = max_in_flight
+        self.num_running = 0
+
+    def take(self, now: float) -> List[int]:
+        taken = []
+        while self.pending and (
+                self.num_running < self.max_in_flight if self.arrivals is None
+                else self.arrivals[self.pending[-1]] <= now):
+            taken.append(self.pending.pop())
+            self.num_running += 1
+        return taken
+
+    def next_arrival(self) -> float:
+        assert self.arrivals is not None and self.pending
+        return self.arrivals[self.pending[-1]]
+
+
 def _params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -144,77 +175,3 @@ def _drain(engine: LLMEngine, prompt: List[int], max_tokens: int) -> None:
     engine.add_request(prompt, _params(max_tokens), request_id="warm-up")
     while engine.has_unfinished():
         engine.step()
-
-
-# ----- reporting -----
-
-
-def traffic(r: ReplayResult) -> Dict[str, Optional[float]]:
-    """Bytes spilled per byte restored, and disk bytes written per block hit on disk."""
-    s = r.tier_stats
-    if "kv_tier_spilled_bytes_total" not in s:
-        return {"spilled_per_restored": None, "disk_written_per_hit": None}
-    restored = s["kv_tier_restored_bytes_total"]
-    disk_hits = s.get("kv_tier_disk_hits_total", 0)
-    return {"spilled_per_restored": s["kv_tier_spilled_bytes_total"] / restored
-            if restored else None,
-            "disk_written_per_hit": s.get("kv_tier_disk_written_bytes_total", 0) / disk_hits
-            if disk_hits else None}
-
-
-def print_replay(results: Sequence[ReplayResult], ideal: float) -> None:
-    print(f"\n  {'config':<20}{'hit rate':>9}{'TTFT ms mean':>14}{'p50':>8}{'p99':>8}"
-          f"{'wall s':>8}{'spill/restore':>14}{'disk B/hit':>12}{'load':>6}")
-    for r in results:
-        t = traffic(r)
-        ratio = "-" if t["spilled_per_restored"] is None else f"{t['spilled_per_restored']:.2f}"
-        per_hit = ("-" if t["disk_written_per_hit"] is None
-                   else f"{t['disk_written_per_hit'] / 2**20:.2f}Mi")
-        print(f"  {r.name:<20}{r.hit_rate:>9.3f}{r.ttft_ms():>14.1f}{r.ttft_ms(0.5):>8.1f}"
-              f"{r.ttft_ms(0.99):>8.1f}{r.wall_s:>8.1f}{ratio:>14}{per_hit:>12}"
-              f"{r.load_average:>6.1f}")
-    print(f"  ideal (infinite cache, last block computed as the engine does): {ideal:.3f}")
-    for r in results:
-        s = r.tier_stats
-        if "kv_tier_host_hits_total" in s:
-            print(f"  {r.name}: host hits {s['kv_tier_host_hits_total']} blocks, disk hits "
-                  f"{s.get('kv_tier_disk_hits_total', 0)}, spilled "
-                  f"{s['kv_tier_spilled_bytes_total'] / 2**20:.1f} MiB, restored "
-                  f"{s['kv_tier_restored_bytes_total'] / 2**20:.1f} MiB, disk written "
-                  f"{s['kv_tier_disk_written_bytes_total'] / 2**20:.1f} MiB, read "
-                  f"{s['kv_tier_disk_read_bytes_total'] / 2**20:.1f} MiB, spills dropped "
-                  f"{s['kv_tier_spills_dropped_total']}, checksum failures "
-                  f"{s['kv_tier_checksum_failures_total']}, I/O errors "
-                  f"{s['kv_tier_io_errors_total']}")
-
-
-def figures_of(r: ReplayResult) -> Dict[str, object]:
-    out: Dict[str, object] = {
-        f"hit_rate_{r.name}": r.hit_rate, f"ttft_ms_{r.name}": r.ttft_ms(),
-        f"ttft_p50_ms_{r.name}": r.ttft_ms(0.5), f"ttft_p99_ms_{r.name}": r.ttft_ms(0.99),
-        f"replay_wall_s_{r.name}": r.wall_s, f"preemptions_{r.name}": r.num_preemptions}
-    if r.name != "device_only":
-        keys = ("host_hits_total", "disk_hits_total", "spilled_bytes_total",
-                "restored_bytes_total", "disk_written_bytes_total", "disk_read_bytes_total",
-                "spills_dropped_total", "checksum_failures_total", "io_errors_total")
-        out.update({f"{r.name}_{k}": r.tier_stats.get(f"kv_tier_{k}") for k in keys})
-        out.update({f"{k}_{r.name}": v for k, v in traffic(r).items()})
-    return out
-
-
-def plot_ttft(results: Sequence[ReplayResult], path: Path, title: str) -> None:
-    """Box plot of TTFT per configuration (log scale), mean marked; a PNG at ``path``."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(1.6 * len(results) + 3, 4.5))
-    data = [[1e3 * t for t in r.ttft_s] for r in results]
-    ax.boxplot(data, whis=(1, 99), showmeans=True, showfliers=False)
-    ax.set_xticks(range(1, len(results) + 1), [r.name for r in results], rotation=20)
-    ax.set_yscale("log")
-    ax.set_ylabel("TTFT (ms), whiskers p1-p99, triangle = mean")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -70,7 +70,50 @@ def test_quick_run_prints_sane_json_last(tmp_path, tiny_llama):
     assert result["spilled_per_restored_lru"] > 0
     assert plot.stat().st_size > 0 and result["plot"] == str(plot)
     assert list(disk_dir.iterdir()) == []  # the run's own subdirectory is removed
-    assert "scaled" in proc.stdout and "closed loop" in proc.stdout
+    assert "scaled" in proc.stdout and "calibration" in proc.stdout
+    # --rate auto (the default): device-only's closed-loop rate, then Poisson at 0.8 of it
+    assert result["sustained_req_s_device_only"] > 0 and result["load"] == 0.8
+    assert result["arrival_rate_req_s"] == pytest.approx(0.8 * result["sustained_req_s_device_only"])
+
+
+@pytest.mark.slow
+def test_load_sweep_reports_every_config_at_every_load(tmp_path, tiny_llama):
+    trace = write_trace(tmp_path / "trace.jsonl", reuse_trace())
+    plot = tmp_path / "ttft.png"
+    proc = run_bench("--quick", "--parts", "c", "--model", str(tiny_llama), "--trace", str(trace),
+                     "--configs", "device_only,lru", "--load", "0.5,1.5", "--plot", str(plot))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = result["load_sweep"]
+    assert [(r["load"], r["config"]) for r in rows] == [
+        (0.5, "device_only"), (0.5, "lru"), (1.5, "device_only"), (1.5, "lru")]
+    sustained = result["sustained_req_s_device_only"]
+    assert all(r["rate_req_s"] == pytest.approx(r["load"] * sustained) for r in rows)
+    assert all(r["ttft_vs_device_only"] == 1.0 for r in rows if r["config"] == "device_only")
+    assert result["load"] == 0.5 and result["ttft_ms_lru"] == rows[1]["ttft_ms"]
+    assert Path(result["load_sweep_plot"]).stat().st_size > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rate", "fast"], "--rate must be auto, closed or requests per second"),
+    (["--rate", "-1"], "--rate must be positive"),
+    (["--rate", "closed", "--load", "0.5"], "--load applies to --rate auto only"),
+    (["--rate", "2.5", "--load", "0.5"], "--load applies to --rate auto only"),
+    (["--load", "0.5,x"], "--load must be comma-separated fractions"),
+    (["--load", "0.5,0.5"], "--load must be distinct positive fractions"),
+])
+def test_bad_rate_and_load_flags_are_refused_by_name(bench, capsys, flags, message):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--quick", *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_rate_flags_parse(bench):
+    assert bench.parse_args(["--quick"]).rate == "auto"
+    assert bench.parse_args(["--quick"]).load == [0.8]
+    assert bench.parse_args(["--quick", "--load", "0.5,0.9"]).load == [0.5, 0.9]
+    assert bench.parse_args(["--quick", "--rate", "2.5"]).rate == 2.5
+    assert bench.parse_args(["--quick", "--rate", "closed"]).rate == "closed"
 
 
 def test_malformed_trace_exits_nonzero_naming_the_file(tmp_path):
