@@ -29,9 +29,18 @@ Three parts, in one process, one after another:
     hash id becomes one block of ``block_size`` token ids drawn from ``random.Random(hash_id)``, so
     a prompt is the concatenation of its blocks (the trace's ``input_length`` is replaced by
     ``len(hash_ids) * block_size``; prompts longer than the model's context lose their last
-    blocks); outputs are capped at ``--max-output``. Replay: closed loop, ``--in-flight``
-    requests at a time (the next is added when one finishes), same order for every config.
-    TTFT: ``add_request`` to the first output carrying a token. Configs (``--configs``,
+    blocks); outputs are capped at ``--max-output``. The engine runs ``--in-flight`` requests
+    at once (``max_num_seqs``). Arrivals (``--rate``): ``auto`` (the default) first replays
+    device-only in a closed loop to measure the rate it sustains (requests / replay time), then
+    replays every config open loop, Poisson arrivals (seeded, the same for every config) at
+    ``--load`` times that rate (0.8; a comma-separated list sweeps it: a table and a plot of
+    TTFT against load); a number is a fixed Poisson rate; ``closed`` is a closed loop of
+    ``--in-flight`` requests (the next added when one finishes). Same order for every config.
+    TTFT: arrival (closed loop: ``add_request``) to the first output carrying a token, so in the
+    open loop it includes the time a request queued. Why the open loop: with a fixed number in
+    flight, mean response time is that number over the throughput (Little's law), so a closed
+    loop's TTFT measures throughput and how a request's time splits around its first token,
+    not what queueing does to latency at a given offered load. Configs (``--configs``,
     ``scripts/tier_replay.py``): device-only, then host + disk tiers under an eviction policy
     (LRU, hotness) and a write policy (write-through, selective, write-back); the device pool
     holds ``--device-frac`` of the subset's unique blocks (at least twice the longest request),
@@ -246,8 +255,12 @@ def prepare_trace(rows: List[TraceRequest], model: ModelConfig,
           f"{args.block_size} seeded token ids (x{args.block_size / MOONCAKE_BLOCK_TOKENS:g}); "
           f"input_length replaced by len(hash_ids) * {args.block_size}; output_length capped at "
           f"{args.max_output}; prompts cut to {model.max_position_embeddings} tokens of context")
-    print(f"  replay: closed loop, {args.in_flight} requests in flight, same order for every "
-          f"config; TTFT = add_request to the first output token; spill bound "
+    arrivals = (f"closed loop, {args.in_flight} requests in flight" if args.rate == "closed"
+                else f"Poisson {args.rate} req/s" if args.rate != "auto"
+                else f"Poisson arrivals at {','.join(f'{x:g}' for x in args.load)} of "
+                     f"device-only's closed-loop rate")
+    print(f"  replay: {arrivals}, the engine runs {args.in_flight} at once, same order for "
+          f"every config; TTFT = arrival to the first output token; spill bound "
           f"{args.kv_spill_gbps or 'none'} GB/s; selective threshold {args.write_threshold}")
     print(f"  tiers (blocks; fraction of the {sizes.unique} unique): device {sizes.device} "
           f"({sizes.device / sizes.unique:.2f}), host {sizes.host} "
@@ -266,7 +279,10 @@ def run_replays(rows: List[TraceRequest], model: ModelConfig, args: argparse.Nam
     def run_one(name: str, arrivals: Optional[List[float]], label: str) -> ReplayResult:
         config = engine_config(name, args.model, args.block_size, args.in_flight, sizes,
                                directory, args.write_threshold, args.kv_spill_gbps)
-        result = replay(name, config, prompts, outputs, model.vocab_size, arrivals)
+        try:
+            result = replay(name, config, prompts, outputs, model.vocab_size, arrivals)
+        finally:  # the next replay of this config starts cold (a restarted engine would load
+            shutil.rmtree(directory / name, ignore_errors=True)  # the disk tier's index)
         print(f"  {label}{name:<20} {result.wall_s:7.1f} s  hit rate {result.hit_rate:.3f}  "
               f"mean TTFT {result.ttft_ms():.1f} ms  p99 {result.ttft_ms(0.99):.1f} ms  "
               f"(load average {result.load_average:.1f})", flush=True)

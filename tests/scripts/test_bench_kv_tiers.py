@@ -90,6 +90,8 @@ def test_load_sweep_reports_every_config_at_every_load(tmp_path, tiny_llama):
     sustained = result["sustained_req_s_device_only"]
     assert all(r["rate_req_s"] == pytest.approx(r["load"] * sustained) for r in rows)
     assert all(r["ttft_vs_device_only"] == 1.0 for r in rows if r["config"] == "device_only")
+    # every round starts cold: no disk tier left by the round before (its index would load)
+    assert all(r["hit_rate"] <= result["ideal_hit_rate"] + 1e-9 for r in rows)
     assert result["load"] == 0.5 and result["ttft_ms_lru"] == rows[1]["ttft_ms"]
     assert Path(result["load_sweep_plot"]).stat().st_size > 0
 
