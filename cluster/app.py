@@ -32,7 +32,9 @@ from workers.engine_sizing import check_model, context_length, fit_context_to_po
 from workers.model_config import ModelConfig, load_model_config
 
 
-ROUTERS = ("kv", "kv_strict", "pow2", "prefix_affinity", "round_robin")
+ROUTERS = ("kv", "kv_strict", "kv_queue", "pow2", "prefix_affinity", "round_robin")
+
+QUEUE_VARIANT_WEIGHT = 2.0  # llm-d's queue scorer's weight beside prefix 3 and KV usage 2
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,8 @@ class ServeConfig:
     served_model_name: Optional[str] = None
     routing_stats_period_s: float = 0.5
     placement_strategy: str = "PACK"  # of each group's ranks: PACK, SPREAD, STRICT_PACK/SPREAD
-    # "kv": tpserve's KV-aware router ("kv_strict": with its former prefix-first order);
+    # "kv": tpserve's KV-aware router ("kv_strict": with its former prefix-first order;
+    # "kv_queue": with the pending-tokens score at weight QUEUE_VARIANT_WEIGHT);
     # baselines (cluster/baseline_routers.py): "pow2" (Serve's default), "prefix_affinity",
     # "round_robin"
     router: str = "kv"
@@ -186,6 +189,8 @@ def router_config(config: ServeConfig) -> RequestRouterConfig:
     kwargs = {"target_occupancy": config.kv_target_occupancy}
     if config.router == "kv_strict":
         kwargs["load_weight"] = 0.0
+    if config.router == "kv_queue":
+        kwargs["queue_weight"] = QUEUE_VARIANT_WEIGHT
     return RequestRouterConfig(request_router_class=KVAwareRouter,
                                request_router_kwargs=kwargs, **stats)
 

@@ -82,6 +82,7 @@ from cluster.placement import (
     DEFAULT_LOAD_WEIGHT,
     DEFAULT_MAX_REPORT_AGE_S,
     DEFAULT_PREFIX_WEIGHT,
+    DEFAULT_QUEUE_WEIGHT,
     DEFAULT_TARGET_OCCUPANCY,
     GroupLoad,
     Placement,
@@ -131,6 +132,7 @@ def kv_aware_router_config(
     num_decision_times: int = 4096,
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
     load_weight: float = DEFAULT_LOAD_WEIGHT,
+    queue_weight: float = DEFAULT_QUEUE_WEIGHT,
 ) -> RequestRouterConfig:
     """The ``request_router_config`` of a group deployment, validated here rather than in the
     first caller. ``max_report_age_s`` defaults to the larger of 5 s and ten stats periods, and
@@ -147,6 +149,7 @@ def kv_aware_router_config(
         num_decision_times=num_decision_times,
         prefix_weight=prefix_weight,
         load_weight=load_weight,
+        queue_weight=queue_weight,
     )
     RouterSettings(**kwargs)  # raises ValueError now, not on the first request
     return RequestRouterConfig(
@@ -290,7 +293,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         placements = rank_groups(
             demand, loads, settings.target_occupancy, settings.max_report_age_s,
             settings.prefix_weight, settings.load_weight,
-            self._prefix_index.prefix_blocks(demand.block_hashes),
+            self._prefix_index.prefix_blocks(demand.block_hashes), settings.queue_weight,
         )
         ranks = [[by_group[placement.group_id]] for placement in placements]
         if unreported:

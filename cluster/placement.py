@@ -19,6 +19,11 @@ block there. Projected occupancy = (the group's committed blocks + that demand) 
 
        prefix_weight * cached prefix blocks / the request's full blocks
      + load_weight * (1 - projected occupancy / the highest projected occupancy of these groups)
+     + queue_weight * (1 - pending tokens / the most pending tokens of these groups)
+
+   Pending tokens are a group's compute backlog as the router knows it: its report's waiting
+   tokens plus the tokens the router sent it since. ``queue_weight`` is 0 by default (README:
+   the serving benchmark's runs with it).
 
    The weights are llm-d's profile (3 and 2): a cached prefix outweighs the load difference
    only while it is a large part of the request. With ``load_weight`` 0 this is the former
@@ -61,6 +66,7 @@ DEFAULT_TARGET_OCCUPANCY = 0.70
 DEFAULT_MAX_REPORT_AGE_S = 5.0
 DEFAULT_PREFIX_WEIGHT = 3.0
 DEFAULT_LOAD_WEIGHT = 2.0  # with prefix 3.0, llm-d's profile; 0.0: the strict prefix order
+DEFAULT_QUEUE_WEIGHT = 0.0  # the pending-tokens score (llm-d's queue scorer); 0.0: off
 
 
 def _num_blocks(num_tokens: int, block_size: int) -> int:
@@ -212,6 +218,7 @@ def rank_groups(
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
     load_weight: float = DEFAULT_LOAD_WEIGHT,
     cached_prefix: Optional[Mapping[str, int]] = None,
+    queue_weight: float = DEFAULT_QUEUE_WEIGHT,
 ) -> List[Placement]:
     """Every group in ``loads``, best first, by the policy in this module's docstring.
 
@@ -225,9 +232,9 @@ def rank_groups(
         raise ValueError(f"target_occupancy must be in (0, 1], got {target_occupancy}")
     if max_report_age_s <= 0:
         raise ValueError(f"max_report_age_s must be positive, got {max_report_age_s}")
-    if not (prefix_weight >= 0 and load_weight >= 0):
-        raise ValueError(f"prefix_weight and load_weight must not be negative, got "
-                         f"{prefix_weight} and {load_weight}")
+    if not (prefix_weight >= 0 and load_weight >= 0 and queue_weight >= 0):
+        raise ValueError(f"prefix_weight, load_weight and queue_weight must not be negative, got "
+                         f"{prefix_weight}, {load_weight} and {queue_weight}")
     num_tokens = demand.num_tokens
     hashes, demand_bs = demand.block_hashes, demand.block_size
     num_hashes = len(hashes)
@@ -256,13 +263,14 @@ def rank_groups(
             if prefix > num_blocks:
                 prefix = num_blocks
         occupancy = (load._num_blocks_committed + num_blocks - prefix) / load.num_blocks_total
-        entry = [0 if occupancy <= target_occupancy else 1, 0.0, occupancy, load.group_id, prefix]
+        entry = [0 if occupancy <= target_occupancy else 1, 0.0, occupancy, load.group_id, prefix,
+                 load.num_waiting_tokens + load.num_tokens_sent_since_report]
         entries.append(entry)
         if occupancy <= target_occupancy:
             under.append(entry)
     if len({entry[3] for entry in entries}) != len(entries):
         raise ValueError("rank_groups: loads must have distinct group ids")
-    _score(under, len(demand.block_hashes), prefix_weight, load_weight)
+    _score(under, len(demand.block_hashes), prefix_weight, load_weight, queue_weight)
     # Stable sorts from the last key to the first: each sorts on one plain str, float or int,
     # which CPython compares several times faster than whole lists.
     for key in _SORT_KEYS:
@@ -272,20 +280,23 @@ def rank_groups(
     new = tuple.__new__
     return [
         new(Placement, (group_id, _REASONS[tier][bool(prefix)], occupancy, prefix))
-        for tier, _, occupancy, group_id, prefix in entries
+        for tier, _, occupancy, group_id, prefix, *_ in entries
     ]
 
 
 def _score(under: List[list], num_blocks: int, prefix_weight: float,
-           load_weight: float) -> None:
+           load_weight: float, queue_weight: float) -> None:
     """Sets each under-target entry's -score (see the module doc)."""
     if not under:
         return
     per_block = prefix_weight / num_blocks if num_blocks else 0.0
     highest = max(entry[2] for entry in under)
     per_occupancy = load_weight / highest if highest > 0 else 0.0
+    longest = max(entry[5] for entry in under) if queue_weight else 0
+    per_pending = queue_weight / longest if longest > 0 else 0.0
     for entry in under:
-        entry[1] = per_occupancy * entry[2] - per_block * entry[4] - load_weight
+        entry[1] = (per_occupancy * entry[2] + per_pending * entry[5] - per_block * entry[4]
+                    - load_weight - queue_weight)
 
 
 _SORT_KEYS = (itemgetter(3), itemgetter(2), itemgetter(1), itemgetter(0))

@@ -10,6 +10,7 @@ from cluster.placement import (
     DEFAULT_LOAD_WEIGHT,
     DEFAULT_MAX_REPORT_AGE_S,
     DEFAULT_PREFIX_WEIGHT,
+    DEFAULT_QUEUE_WEIGHT,
     DEFAULT_TARGET_OCCUPANCY,
 )
 
@@ -26,6 +27,7 @@ class RouterSettings:
     num_decision_times: int = 4096
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT
     load_weight: float = DEFAULT_LOAD_WEIGHT
+    queue_weight: float = DEFAULT_QUEUE_WEIGHT
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target_occupancy <= 1.0:
@@ -41,6 +43,7 @@ class RouterSettings:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_decision_times < 1:
             raise ValueError(f"num_decision_times must be >= 1, got {self.num_decision_times}")
-        if not (self.prefix_weight >= 0 and self.load_weight >= 0):
-            raise ValueError(f"prefix_weight and load_weight must not be negative, got "
-                             f"{self.prefix_weight} and {self.load_weight}")
+        if not (self.prefix_weight >= 0 and self.load_weight >= 0 and self.queue_weight >= 0):
+            raise ValueError(f"prefix_weight, load_weight and queue_weight must not be negative, "
+                             f"got {self.prefix_weight}, {self.load_weight} and "
+                             f"{self.queue_weight}")

@@ -21,7 +21,9 @@ def test_serve_config_router_choice():
     assert "RoundRobinRouter" in str(round_robin.request_router_class)
     strict = router_config(ServeConfig(engine=engine, router="kv_strict"))
     assert strict.request_router_kwargs == {"target_occupancy": 0.7, "load_weight": 0.0}
-    with pytest.raises(ValueError, match="router must be one of kv, kv_strict, pow2"):
+    queue = router_config(ServeConfig(engine=engine, router="kv_queue"))
+    assert queue.request_router_kwargs == {"target_occupancy": 0.7, "queue_weight": 2.0}
+    with pytest.raises(ValueError, match="router must be one of kv, kv_strict, kv_queue, pow2"):
         ServeConfig(engine=engine, router="random")
 
 

@@ -261,6 +261,9 @@ def test_report_and_config_validation():
     assert kv_aware_router_config(load_weight=0.0).request_router_kwargs["load_weight"] == 0.0
     with pytest.raises(ValueError, match="must not be negative"):
         kv_aware_router_config(prefix_weight=-1.0)
+    assert kv_aware_router_config(queue_weight=2.0).request_router_kwargs["queue_weight"] == 2.0
+    with pytest.raises(ValueError, match="queue_weight must not be negative"):
+        kv_aware_router_config(queue_weight=-1.0)
 
 
 _LOAD_COPY = """

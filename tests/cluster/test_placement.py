@@ -245,6 +245,27 @@ def test_a_shared_system_prompt_does_not_pull_every_request_to_one_group():
 def test_negative_weights_are_refused():
     with pytest.raises(ValueError, match="must not be negative"):
         rank_groups(demand(BS), [load("a", 0)], load_weight=-1.0)
+    with pytest.raises(ValueError, match="queue_weight must not be negative"):
+        rank_groups(demand(BS), [load("a", 0)], queue_weight=-1.0)
+
+
+def test_queue_weight_prefers_the_group_with_less_pending_compute():
+    # Same projected occupancy (10 blocks committed each); "busy" holds them as 10 blocks of
+    # tokens still to compute, "idle" as KV in use. Without the queue score the tie goes to the
+    # group id, "busy"; with it, the group with no backlog.
+    loads = [load("busy", 0, waiting=10 * BS), load("idle", 10)]
+    assert ids(rank_groups(demand(2 * BS), loads)) == ["busy", "idle"]
+    assert ids(rank_groups(demand(2 * BS), loads, queue_weight=2.0)) == ["idle", "busy"]
+    # sent-since-report tokens are pending too
+    loads = [load("busy", 0, sent=10 * BS), load("idle", 10)]
+    assert ids(rank_groups(demand(2 * BS), loads, queue_weight=2.0)) == ["idle", "busy"]
+
+
+def test_queue_weight_gives_way_to_a_long_cached_prefix():
+    hashes = extend_block_hashes([], list(range(8 * BS)), BS)
+    loads = [load("warm", 0, waiting=4 * BS, cached=hashes), load("cold", 4)]
+    placements = rank_groups(demand(8 * BS, hashes), loads, queue_weight=2.0)
+    assert ids(placements) == ["warm", "cold"]  # prefix 3 * 8/8 beats queue 2 * 1
 
 
 def test_prefix_does_not_lift_an_over_target_group_above_an_under_target_one():
