@@ -36,7 +36,7 @@ from cluster.grpc_protocol import (
     usage,
 )
 from cluster.ingress_run import RequestRun
-from cluster.metrics import RequestTimer
+from cluster.ingress_metrics import RequestTimer
 from cluster.openai_protocol import ProtocolError
 from cluster.proto.tpserve.v1 import tpserve_pb2 as pb
 

@@ -40,13 +40,8 @@ from cluster.admission import IngressAdmission
 from cluster.grpc_service import GrpcService
 from cluster.group_stream import sampling_params
 from cluster.ingress_run import GroupStream, MigrationPolicy, RequestRun
-from cluster.metrics import (
-    GroupRecord,
-    IngressMetrics,
-    RequestTimer,
-    get_metrics_store,
-    router_decision_counts,
-)
+from cluster.ingress_metrics import IngressMetrics, RequestTimer
+from cluster.metrics import GroupRecord, get_metrics_store, router_decision_counts
 from cluster.openai_protocol import (
     ChatFormat,
     CompletionFormat,

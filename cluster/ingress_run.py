@@ -20,7 +20,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentResponseGenerator
 
 from cluster.admission import DEFAULT_RETRY_AFTER_S, overloaded
-from cluster.metrics import RequestTimer
+from cluster.ingress_metrics import RequestTimer
 from cluster.openai_protocol import (
     SSE_DONE,
     ChoiceResult,

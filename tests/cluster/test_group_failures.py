@@ -7,6 +7,7 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster import ingress_metrics as im
 from cluster import metrics as m
 
 
@@ -43,7 +44,7 @@ def test_a_live_group_that_stops_reporting_is_lost():
 
 
 def test_failures_are_exported_even_at_zero():
-    metrics = m.IngressMetrics("model", max_model_len=64)
+    metrics = im.IngressMetrics("model", max_model_len=64)
     store = m.MetricsStore()
     assert failures_in_text(metrics.render({}, {}, store.group_failures())) == {
         "engine_died": 0.0, "lost": 0.0}
@@ -55,7 +56,7 @@ def test_failures_are_exported_even_at_zero():
 
 
 def test_collective_errors_reach_the_text_as_a_counter():
-    metrics = m.IngressMetrics("model", max_model_len=64)
+    metrics = im.IngressMetrics("model", max_model_len=64)
     store = m.MetricsStore()
     store.push("g1", {"engine_alive": 1.0, "collective_errors_total": 2})
     text = metrics.render(store.snapshot(), {}).decode()

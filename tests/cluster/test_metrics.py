@@ -7,6 +7,7 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster import ingress_metrics as im
 from cluster import metrics as m
 
 SNAPSHOT = {
@@ -75,13 +76,13 @@ def rendered():
     store = m.MetricsStore()
     store.push("g0", SNAPSHOT)
     store.push("g1", {**SNAPSHOT, "kv_usage_frac": 0.75, "allreduce_latency_seconds": []})
-    ingress = m.IngressMetrics("tiny", max_model_len=256)
-    timer = m.RequestTimer(arrival=10.0)
+    ingress = im.IngressMetrics("tiny", max_model_len=256)
+    timer = im.RequestTimer(arrival=10.0)
     for t in (10.2, 10.25, 10.35):
         timer.on_tokens(1, now=t)
     ingress.record(timer, num_prompt_tokens=7, num_generation_tokens=3, finished_reason="length",
                    now=10.4)
-    ingress.record(m.RequestTimer(arrival=10.0), 5, 0, "abort", now=10.1)
+    ingress.record(im.RequestTimer(arrival=10.0), 5, 0, "abort", now=10.1)
     return parse(ingress.render(store.snapshot(), {"under_target": 4, "least_loaded": 1}))
 
 
@@ -159,11 +160,11 @@ def test_router_decision_sources_sum_and_expire(monkeypatch):
 
 
 def test_token_buckets():
-    assert m._one_two_five_buckets(256) == (1, 2, 5, 10, 20, 50, 100, 200)
+    assert im._one_two_five_buckets(256) == (1, 2, 5, 10, 20, 50, 100, 200)
 
 
 def test_empty_render_parses():
-    families, _ = parse(m.IngressMetrics("x", 16).render({}, {}))
+    families, _ = parse(im.IngressMetrics("x", 16).render({}, {}))
     assert "tpserve:time_to_first_token_seconds" in families
 
 
@@ -195,7 +196,7 @@ def test_a_tiered_engines_numbers_reach_metrics_text(tiny_llama, tmp_path):
     assert snapshot["kv_tier_disk_written_bytes_total"] > 0
     store = m.MetricsStore()
     store.push("g0", snapshot)
-    _, samples = parse(m.IngressMetrics("tiny", 256).render(store.snapshot(), {}))
+    _, samples = parse(im.IngressMetrics("tiny", 256).render(store.snapshot(), {}))
     g0 = labels(model_name="tiny", group="g0")
     assert samples[("tpserve:kv_tier_host_blocks_total", g0)] == 4
     assert samples[("tpserve:kv_tier_disk_blocks_total", g0)] == 32
@@ -219,7 +220,7 @@ def test_per_directory_disk_bytes_rendered_with_a_dir_label():
         "/nvme0/kv": 12288, "/nvme1/kv": 4096}})
     assert store.snapshot()["g0"].labelled["kv_tier_disk_dir_written_bytes_total"] == {
         "/nvme0/kv": 12288.0, "/nvme1/kv": 4096.0}
-    families, samples = parse(m.IngressMetrics("tiny", 256).render(store.snapshot(), {}))
+    families, samples = parse(im.IngressMetrics("tiny", 256).render(store.snapshot(), {}))
     family = families["tpserve:kv_tier_disk_dir_written_bytes"]
     assert family.type == "counter"
     g0 = dict(model_name="tiny", group="g0")
