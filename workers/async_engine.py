@@ -22,6 +22,7 @@ from typing import AsyncIterator, Callable, Deque, Dict, List, Optional, Sequenc
 from kv.kv_manager import KVUsage
 from workers.engine import LLMEngine, RequestOutput
 from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler
 from workers.step_watchdog import StepHungError, StepWatchdog
 
 logger = logging.getLogger(__name__)
@@ -42,12 +43,21 @@ class EngineLoad:
     kv: KVUsage
     num_running: int
     num_waiting: int
-    num_waiting_tokens: int  # prompt tokens not yet computed, queued requests included
+    num_waiting_tokens: int  # tokens to compute without a block yet (uncomputed_tokens + queued)
     cached_block_hashes: Tuple[int, ...]  # most recently used first
     accepted_ids: Tuple[str, ...] = ()  # routing ids accepted lately, all counted above
 
 
 _Command = Tuple[str, tuple, Optional[Future]]
+
+
+def uncomputed_tokens(sched: Scheduler) -> int:
+    """Tokens the scheduler's requests have yet to compute that hold no KV block yet: all of a
+    waiting request's, and the rest of the prompt of a running one still prefilling in chunks
+    (its blocks grow chunk by chunk). A loading request's blocks are held for what it restores."""
+    return (sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+            + sum(r.num_prompt_tokens - r.num_computed_tokens for r in sched.running
+                  if r.num_computed_tokens < r.num_prompt_tokens))
 
 
 class AsyncLLMEngine:
@@ -220,8 +230,7 @@ class AsyncLLMEngine:
             seq=self._load_seq, time=time.time(), kv=sched.kv_usage(),
             # A request loading its prefix from host or disk holds blocks and runs next: running.
             num_running=len(sched.running) + len(sched.loading), num_waiting=len(sched.waiting),
-            num_waiting_tokens=queued_tokens + sum(r.num_tokens - r.num_computed_tokens
-                                                   for r in sched.waiting),
+            num_waiting_tokens=queued_tokens + uncomputed_tokens(sched),
             cached_block_hashes=tuple(sched.kv.pool.cached_hashes(self._max_cached_hashes)),
             accepted_ids=accepted_ids,
         )

@@ -93,3 +93,21 @@ def test_a_report_holds_every_request_accepted_before_it(engine):
     load = asyncio.run(main())
     assert "rt-1" in load.accepted_ids
     assert load.num_waiting_tokens + load.kv.num_filled_slots >= len(prompt) + 5
+
+
+def test_a_report_counts_the_rest_of_a_prompt_being_prefilled_in_chunks(tiny_llama):
+    """A running request mid-prefill holds blocks only for the chunks it has computed; the rest
+    of its prompt takes blocks in the next steps, so a report must count it, or the router sees
+    room that is already spoken for."""
+    from workers.async_engine import uncomputed_tokens
+
+    config = EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=64,
+                          max_num_batched_tokens=16)
+    with LLMEngine(config) as sync:
+        sync.add_request([7] * 100, SamplingParams(max_tokens=2), "long")
+        sync.add_request([8] * 10, SamplingParams(max_tokens=2), "queued")
+        assert uncomputed_tokens(sync.scheduler) == 110
+        sync.step()  # the first 16-token chunk of "long"; "queued" still waits
+        assert [r.request_id for r in sync.scheduler.running] == ["long"]
+        assert sync.scheduler.kv_usage().num_filled_slots == 16
+        assert uncomputed_tokens(sync.scheduler) == 84 + 10
