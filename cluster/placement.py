@@ -239,9 +239,9 @@ def rank_groups(
     hashes, demand_bs = demand.block_hashes, demand.block_size
     num_hashes = len(hashes)
     first_hash = hashes[0] if hashes else None
-    # [tier, -score, projected occupancy, group id, cached prefix blocks]; tier 0: fresh and
-    # under target, 1: fresh and over, 2: stale. Scores are set once the under-target groups'
-    # highest occupancy is known.
+    # [tier, -score, projected occupancy, group id, cached prefix blocks, pending tokens (0
+    # without a queue weight)]; tier 0: fresh and under target, 1: fresh and over, 2: stale.
+    # Scores are set once the under-target groups' highest occupancy is known.
     entries: List[list] = []
     under: List[list] = []
     for load in loads:
@@ -249,7 +249,7 @@ def rank_groups(
         num_blocks = -(-num_tokens // load.block_size)
         if load.report_age_s > max_report_age_s:
             occupancy = (load._num_blocks_committed + num_blocks) / load.num_blocks_total
-            entries.append([2, 0.0, occupancy, load.group_id, None])
+            entries.append([2, 0.0, occupancy, load.group_id, None, 0])
             continue
         # GroupLoad.num_cached_prefix_blocks, inlined; a group that lacks the first block costs
         # one lookup.
@@ -263,8 +263,10 @@ def rank_groups(
             if prefix > num_blocks:
                 prefix = num_blocks
         occupancy = (load._num_blocks_committed + num_blocks - prefix) / load.num_blocks_total
+        pending = (load.num_waiting_tokens + load.num_tokens_sent_since_report
+                   if queue_weight else 0)
         entry = [0 if occupancy <= target_occupancy else 1, 0.0, occupancy, load.group_id, prefix,
-                 load.num_waiting_tokens + load.num_tokens_sent_since_report]
+                 pending]
         entries.append(entry)
         if occupancy <= target_occupancy:
             under.append(entry)
@@ -280,7 +282,7 @@ def rank_groups(
     new = tuple.__new__
     return [
         new(Placement, (group_id, _REASONS[tier][bool(prefix)], occupancy, prefix))
-        for tier, _, occupancy, group_id, prefix, *_ in entries
+        for tier, _, occupancy, group_id, prefix, _ in entries
     ]
 
 
