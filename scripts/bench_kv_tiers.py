@@ -86,7 +86,7 @@ from tier_bandwidth import run_copies, run_disk  # noqa: E402
 from traces import (MOONCAKE_BLOCK_TOKENS, MOONCAKE_SYNTHETIC_TRACE, BlockTokens,  # noqa: E402
                     TraceError, TraceRequest, conversation_ids, ideal_hit_rate, read_mooncake,
                     sample_conversations)
-from serve_workload import poisson_times  # noqa: E402
+from serve_workload import poisson_rate, poisson_times, sustained_rate  # noqa: E402
 from tier_replay import (MIN_TOKEN_ID, ReplayResult, TierSizes, engine_config,  # noqa: E402
                          fit_context, parse_config_name, replay, tier_sizes)
 from tier_report import (figures_of, plot_load_sweep, plot_ttft, print_replay,  # noqa: E402
@@ -335,16 +335,16 @@ def arrival_schedules(args: argparse.Namespace, num: int, run_one) -> Tuple[
         return {}, [(None, args.rate, poisson_times(num, args.rate, random.Random(args.seed)))]
     print("  calibration (--rate auto): device-only, closed loop", flush=True)
     calibration = run_one("device_only", None, "calibration: ")
-    sustained = num / calibration.wall_s
+    sustained = sustained_rate(num, calibration.wall_s)
+    rates = [poisson_rate(sustained, load) for load in args.load]
     print(f"  sustained {sustained:.2f} req/s; offered: "
-          + ", ".join(f"{load:g} x = {load * sustained:.2f} req/s" for load in args.load),
+          + ", ".join(f"{load:g} x = {rate:.2f} req/s" for load, rate in zip(args.load, rates)),
           flush=True)
     figures = {"sustained_req_s_device_only": sustained,
                "closed_loop_ttft_ms_device_only": calibration.ttft_ms(),
                "closed_loop_ttft_p99_ms_device_only": calibration.ttft_ms(0.99)}
-    return figures, [(load, load * sustained,
-                      poisson_times(num, load * sustained, random.Random(args.seed)))
-                     for load in args.load]
+    return figures, [(load, rate, poisson_times(num, rate, random.Random(args.seed)))
+                     for load, rate in zip(args.load, rates)]
 
 
 def run(args: argparse.Namespace) -> Dict[str, object]:
