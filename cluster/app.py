@@ -32,7 +32,8 @@ from workers.engine_sizing import check_model, context_length, fit_context_to_po
 from workers.model_config import ModelConfig, load_model_config
 
 
-ROUTERS = ("kv", "kv_strict", "kv_queue", "pow2", "prefix_affinity", "round_robin")
+ROUTERS = ("kv", "kv_strict", "kv_queue", "kv_headroom", "pow2", "prefix_affinity",
+           "round_robin")
 
 QUEUE_VARIANT_WEIGHT = 2.0  # llm-d's queue scorer's weight beside prefix 3 and KV usage 2
 
@@ -48,7 +49,8 @@ class ServeConfig:
     routing_stats_period_s: float = 0.5
     placement_strategy: str = "PACK"  # of each group's ranks: PACK, SPREAD, STRICT_PACK/SPREAD
     # "kv": tpserve's KV-aware router ("kv_strict": with its former prefix-first order;
-    # "kv_queue": with the pending-tokens score at weight QUEUE_VARIANT_WEIGHT);
+    # "kv_queue": with the pending-tokens score at weight QUEUE_VARIANT_WEIGHT; "kv_headroom":
+    # its load score relative to the target rather than to the busiest group);
     # baselines (cluster/baseline_routers.py): "pow2" (Serve's default), "prefix_affinity",
     # "round_robin"
     router: str = "kv"
@@ -191,6 +193,8 @@ def router_config(config: ServeConfig) -> RequestRouterConfig:
         kwargs["load_weight"] = 0.0
     if config.router == "kv_queue":
         kwargs["queue_weight"] = QUEUE_VARIANT_WEIGHT
+    if config.router == "kv_headroom":
+        kwargs["load_scale"] = "target"
     return RequestRouterConfig(request_router_class=KVAwareRouter,
                                request_router_kwargs=kwargs, **stats)
 

@@ -83,6 +83,7 @@ from cluster.placement import (
     DEFAULT_MAX_REPORT_AGE_S,
     DEFAULT_PREFIX_WEIGHT,
     DEFAULT_QUEUE_WEIGHT,
+    DEFAULT_LOAD_SCALE,
     DEFAULT_TARGET_OCCUPANCY,
     GroupLoad,
     Placement,
@@ -133,6 +134,7 @@ def kv_aware_router_config(
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
     load_weight: float = DEFAULT_LOAD_WEIGHT,
     queue_weight: float = DEFAULT_QUEUE_WEIGHT,
+    load_scale: str = DEFAULT_LOAD_SCALE,
 ) -> RequestRouterConfig:
     """The ``request_router_config`` of a group deployment, validated here rather than in the
     first caller. ``max_report_age_s`` defaults to the larger of 5 s and ten stats periods, and
@@ -150,6 +152,7 @@ def kv_aware_router_config(
         prefix_weight=prefix_weight,
         load_weight=load_weight,
         queue_weight=queue_weight,
+        load_scale=load_scale,
     )
     RouterSettings(**kwargs)  # raises ValueError now, not on the first request
     return RequestRouterConfig(
@@ -294,6 +297,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             demand, loads, settings.target_occupancy, settings.max_report_age_s,
             settings.prefix_weight, settings.load_weight,
             self._prefix_index.prefix_blocks(demand.block_hashes), settings.queue_weight,
+            settings.load_scale,
         )
         ranks = [[by_group[placement.group_id]] for placement in placements]
         if unreported:

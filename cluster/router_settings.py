@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from cluster.placement import (
+    DEFAULT_LOAD_SCALE,
     DEFAULT_LOAD_WEIGHT,
     DEFAULT_MAX_REPORT_AGE_S,
     DEFAULT_PREFIX_WEIGHT,
     DEFAULT_QUEUE_WEIGHT,
     DEFAULT_TARGET_OCCUPANCY,
+    LOAD_SCALES,
 )
 
 
@@ -28,6 +30,7 @@ class RouterSettings:
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT
     load_weight: float = DEFAULT_LOAD_WEIGHT
     queue_weight: float = DEFAULT_QUEUE_WEIGHT
+    load_scale: str = DEFAULT_LOAD_SCALE
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target_occupancy <= 1.0:
@@ -47,3 +50,6 @@ class RouterSettings:
             raise ValueError(f"prefix_weight, load_weight and queue_weight must not be negative, "
                              f"got {self.prefix_weight}, {self.load_weight} and "
                              f"{self.queue_weight}")
+        if self.load_scale not in LOAD_SCALES:
+            raise ValueError(f"load_scale must be one of {', '.join(LOAD_SCALES)}, "
+                             f"got {self.load_scale!r}")

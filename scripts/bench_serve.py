@@ -87,7 +87,7 @@ from traces import (MOONCAKE_SYNTHETIC_TRACE, TraceError, TraceRequest,  # noqa:
 
 DEFAULT_TRACE = MOONCAKE_SYNTHETIC_TRACE
 ROUTERS = ("kv", "pow2", "prefix_affinity", "round_robin")
-OPTIONAL_ROUTERS = ("kv_strict", "kv_queue")  # KV-aware variants (cluster/app.py)
+OPTIONAL_ROUTERS = ("kv_strict", "kv_queue", "kv_headroom")  # KV-aware variants (cluster/app.py)
 DEFAULT_PLOT = "/tmp/tpserve_bench_serve_sweep.png"
 
 

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from serve_replay import RunResult
 
 ROUTER_LABELS = {"kv": "kv-aware", "kv_strict": "kv strict order", "kv_queue": "kv + queue",
-                 "pow2": "pow2 (default)",
+                 "kv_headroom": "kv headroom", "pow2": "pow2 (default)",
                  "prefix_affinity": "prefix affinity", "round_robin": "round robin"}
 TTFT_P99_TARGET_RATIO = 0.8  # TTFT p99 at least 20% below power of two
 

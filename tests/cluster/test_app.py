@@ -23,7 +23,10 @@ def test_serve_config_router_choice():
     assert strict.request_router_kwargs == {"target_occupancy": 0.7, "load_weight": 0.0}
     queue = router_config(ServeConfig(engine=engine, router="kv_queue"))
     assert queue.request_router_kwargs == {"target_occupancy": 0.7, "queue_weight": 2.0}
-    with pytest.raises(ValueError, match="router must be one of kv, kv_strict, kv_queue, pow2"):
+    headroom = router_config(ServeConfig(engine=engine, router="kv_headroom"))
+    assert headroom.request_router_kwargs == {"target_occupancy": 0.7, "load_scale": "target"}
+    with pytest.raises(ValueError,
+                       match="router must be one of kv, kv_strict, kv_queue, kv_headroom, pow2"):
         ServeConfig(engine=engine, router="random")
 
 

@@ -264,6 +264,10 @@ def test_report_and_config_validation():
     assert kv_aware_router_config(queue_weight=2.0).request_router_kwargs["queue_weight"] == 2.0
     with pytest.raises(ValueError, match="queue_weight must not be negative"):
         kv_aware_router_config(queue_weight=-1.0)
+    assert kv_aware_router_config(load_scale="target").request_router_kwargs["load_scale"] == (
+        "target")
+    with pytest.raises(ValueError, match="load_scale must be one of highest, target"):
+        kv_aware_router_config(load_scale="busiest")
 
 
 _LOAD_COPY = """

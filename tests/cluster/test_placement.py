@@ -268,6 +268,29 @@ def test_queue_weight_gives_way_to_a_long_cached_prefix():
     assert ids(placements) == ["warm", "cold"]  # prefix 3 * 8/8 beats queue 2 * 1
 
 
+def test_headroom_load_scale_keeps_a_next_turn_on_its_group_while_both_are_far_from_target():
+    # 4 of the request's 10 blocks are cached on "warm"; projected occupancy 0.36 there, 0.12 on
+    # "idle". Relative to the busiest group idle's load score is 2 * (1 - 0.12/0.36) = 1.33,
+    # more than warm's prefix 3 * 4/10 = 1.2; as headroom under the 0.7 target the load
+    # difference is 2 * 0.24/0.7 = 0.69 and the prefix keeps the turn where its history is.
+    hashes = extend_block_hashes([], list(range(10 * BS)), BS)
+    loads = [load("warm", 30, cached=hashes[:4]), load("idle", 2)]
+    assert ids(rank_groups(demand(10 * BS, hashes), loads)) == ["idle", "warm"]
+    headroom = rank_groups(demand(10 * BS, hashes), loads, load_scale="target")
+    assert ids(headroom) == ["warm", "idle"]
+    assert headroom[0].reason is R.UNDER_TARGET_PREFIX
+    # with the busiest group at the target the two scales are one: 2 * (1 - 0.2/0.7) > 1.2
+    loads = [load("warm", 64, cached=hashes[:4]), load("idle", 10)]
+    for scale in ("highest", "target"):
+        assert ids(rank_groups(demand(10 * BS, hashes), loads, load_scale=scale)) == [
+            "idle", "warm"]
+
+
+def test_unknown_load_scale_is_refused_by_name():
+    with pytest.raises(ValueError, match="load_scale must be one of highest, target"):
+        rank_groups(demand(BS), [load("a", 0)], load_scale="lowest")
+
+
 def test_prefix_does_not_lift_an_over_target_group_above_an_under_target_one():
     hashes = extend_block_hashes([], list(range(4 * BS)), BS)
     # 6 blocks asked, 4 of them cached in "cached_but_full": 69 + 2 = 0.71 there, 0.66 cold.
