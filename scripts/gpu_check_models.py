@@ -102,7 +102,7 @@ def hf_greedy(model, prompts: Sequence[List[int]], max_new_tokens: int) -> List[
 
 class OnDevice:
     """A ``transformers`` model whose ``generate`` takes inputs built on the CPU and moves them
-    to the model's device (``bench_engine.hf_generate_batch`` builds its batches on the CPU)."""
+    to the model's device (``engine_systems.hf_generate_batch`` builds its batches on the CPU)."""
 
     def __init__(self, model) -> None:
         self.model = model

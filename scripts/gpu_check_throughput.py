@@ -9,12 +9,12 @@ random token ids, greedy, each request generating exactly its trace output lengt
 ``ignore_eos``, ``transformers`` with ``min_new_tokens``). Systems, one after the other, warmed up:
 
 * tpserve, once per attention backend ``EngineConfig`` offers: every request submitted at once,
-  stepped until all finish (``bench_engine.run_tpserve``);
-* ``transformers`` static batching: ``bench_engine.run_hf_generate``, left-padded batches sorted
+  stepped until all finish (``engine_systems.run_tpserve``);
+* ``transformers`` static batching: ``engine_systems.run_hf_generate``, left-padded batches sorted
   by prompt length.
 
 ``roofline_frac`` is the time tpserve's exact steps would take at the device's limit over its wall
-time, each step costed as ``bench_engine.ModelCost`` does (weight bytes per step over memory
+time, each step costed as ``engine_limits.ModelCost`` does (weight bytes per step over memory
 bandwidth, or FLOPs over the matmul rate, whichever is longer); the limit on CUDA is the H200's
 4.8 TB/s HBM and 989 TFLOP/s dense bf16, on CPU what this machine measures in the same run.
 """
@@ -28,7 +28,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-import bench_engine
+import engine_limits
+import engine_systems
+import engine_workloads
 from gpu_check_common import CheckContext, Report, free_device_memory
 from gpu_check_models import LLAMA_1B, TINY_TIED, OnDevice, build_checkpoint
 from gpu_check_parity import Variant, attention_backends, default_backend
@@ -79,21 +81,21 @@ def plan_for(ctx: CheckContext) -> ThroughputPlan:
         ("output_scale", a.output_scale)) if v is not None}})
 
 
-def build_workload(plan: ThroughputPlan, vocab_size: int, seed: int = 0) -> bench_engine.Workload:
+def build_workload(plan: ThroughputPlan, vocab_size: int, seed: int = 0) -> engine_workloads.Workload:
     if not 1 <= plan.num_requests <= len(TRACE_LENGTHS):
         raise ValueError(f"--num-requests must be in [1, {len(TRACE_LENGTHS)}] (the trace "
                          f"requests copied into this script), got {plan.num_requests}")
-    lengths = [bench_engine.clamp_lengths(round(p * plan.prompt_scale),
+    lengths = [engine_workloads.clamp_lengths(round(p * plan.prompt_scale),
                                           round(o * plan.output_scale), plan.max_model_len,
                                           plan.max_output)
                for p, o in TRACE_LENGTHS[:plan.num_requests]]
-    prompts = bench_engine.random_prompts([p for p, _ in lengths], vocab_size,
+    prompts = engine_workloads.random_prompts([p for p, _ in lengths], vocab_size,
                                           random.Random(seed))
-    return bench_engine.Workload("azure-code", prompts, [o for _, o in lengths])
+    return engine_workloads.Workload("azure-code", prompts, [o for _, o in lengths])
 
 
 def run_engine(ctx: CheckContext, plan: ThroughputPlan, model_dir: Path,
-               workload: bench_engine.Workload, variant: Variant):
+               workload: engine_workloads.Workload, variant: Variant):
     """tpserve's run of ``workload`` after a warm-up: (result, step records, model config)."""
     config = EngineConfig(model=str(model_dir), device=ctx.device.type,
                           dtype=str(plan.dtype).replace("torch.", ""),
@@ -104,7 +106,7 @@ def run_engine(ctx: CheckContext, plan: ThroughputPlan, model_dir: Path,
     try:
         with LLM(config) as llm:
             llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-            result, steps = bench_engine.run_tpserve(llm, workload)
+            result, steps = engine_systems.run_tpserve(llm, workload)
             return result, steps, llm.engine.model_config
     finally:
         free_device_memory()
@@ -114,8 +116,8 @@ def machine_limits(ctx: CheckContext, model_config) -> Tuple[float, float, str]:
     """(memory GB/s, matmul GFLOP/s, where they come from)."""
     if ctx.is_cuda:
         return H200_HBM_GBPS, H200_BF16_GFLOPS, "H200: 4.8 TB/s HBM, 989 TFLOP/s dense bf16"
-    read = bench_engine.measure_read_gbps(0.25)
-    matmul = max(bench_engine.measure_matmul_gflops(model_config))
+    read = engine_limits.measure_read_gbps(0.25)
+    matmul = max(engine_limits.measure_matmul_gflops(model_config))
     return read, matmul, "measured here: 256 MiB sum, fp32 mm"
 
 
@@ -164,10 +166,10 @@ def check_throughput(ctx: CheckContext, report: Report) -> None:
     _report_runs(ctx, report, runs, workload, hf, plan)
 
 
-def _run_hf(model, workload: bench_engine.Workload, batch_size: int):
+def _run_hf(model, workload: engine_workloads.Workload, batch_size: int):
     wrapped = OnDevice(model)
-    bench_engine.hf_generate_batch(wrapped, [[3, 4, 5, 6]], 2)  # warm-up
-    return bench_engine.run_hf_generate(wrapped, workload, batch_size)
+    engine_systems.hf_generate_batch(wrapped, [[3, 4, 5, 6]], 2)  # warm-up
+    return engine_systems.run_hf_generate(wrapped, workload, batch_size)
 
 
 def _report_runs(ctx, report, runs, workload, hf, plan) -> None:
@@ -175,7 +177,7 @@ def _report_runs(ctx, report, runs, workload, hf, plan) -> None:
     limits = machine_limits(ctx, model_config)
     report.figure("limit_source", limits[2])
     bytes_per_param = torch.empty((), dtype=plan.dtype).element_size()
-    cost = bench_engine.ModelCost.of(model_config, bytes_per_param)
+    cost = engine_limits.ModelCost.of(model_config, bytes_per_param)
     default = default_backend(ctx.device)
     headline = default if default in runs else next(iter(runs))
     for backend, (result, steps, _) in runs.items():

@@ -5,12 +5,14 @@ tests are in test_traces.py."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from bench_scripts import load_script, run_script, script_path
 
+from workers.engine import StepRecord
 from workers.model_config import load_model_config
 
 SCRIPT = script_path("bench_engine")
@@ -73,10 +75,11 @@ def test_malformed_trace_exits_nonzero_naming_the_file(tmp_path):
 
 
 def test_clamp_lengths_fits_the_context(bench):
-    assert bench.clamp_lengths(0, 0, 100, None) == (1, 1)
-    assert bench.clamp_lengths(500, 20, 100, None) == (80, 20)
-    assert bench.clamp_lengths(10, 500, 100, None) == (1, 99)
-    assert bench.clamp_lengths(10, 50, 100, 8) == (10, 8)
+    clamp_lengths = sys.modules["engine_workloads"].clamp_lengths  # loaded by bench_engine
+    assert clamp_lengths(0, 0, 100, None) == (1, 1)
+    assert clamp_lengths(500, 20, 100, None) == (80, 20)
+    assert clamp_lengths(10, 500, 100, None) == (1, 99)
+    assert clamp_lengths(10, 50, 100, 8) == (10, 8)
 
 
 def test_roofline_counts_bytes_and_flops(bench, tiny_llama):
@@ -86,7 +89,7 @@ def test_roofline_counts_bytes_and_flops(bench, tiny_llama):
     assert cost.linear_params == 2 * per_layer
     assert cost.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
     # One prefill of 3 new tokens on 2 cached ones, one decode on 5 cached: 2 logits.
-    step = bench.StepRecord(seqs=((2, 3), (5, 1)), num_logits=2, duration_s=1.0)
+    step = StepRecord(seqs=((2, 3), (5, 1)), num_logits=2, duration_s=1.0)
     pairs = (3 * 2 + 3 * 4 // 2) + (1 * 5 + 1)
     assert cost.step_flops(step) == (2 * cost.linear_params * 4 + 2 * 509 * 64 * 2
                                      + 4 * 2 * 4 * 16 * pairs)
