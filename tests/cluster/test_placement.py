@@ -1,5 +1,6 @@
 """The pure placement policy: at, above and exactly on the target, ties, stale reports, bursts,
-and the weighted score (prefix and load) that orders the groups under target."""
+cached prefixes, bad input, and the ranking's properties (the weighted score that orders the
+groups under target: test_placement_score.py)."""
 
 from __future__ import annotations
 
@@ -189,106 +190,6 @@ def test_sent_tokens_push_the_prefix_group_over_target_so_the_next_request_goes_
     reported = [load("a", 70, cached=hashes, seq=2), load("b", 60, seq=2)]
     assert ids(rank_groups(request, reported)) == ids(rank_groups(request, list(loads.values())))
     assert ids(rank_groups(request, reported)) == ["b", "a"]
-
-
-def test_without_a_load_weight_the_longest_cached_prefix_wins_under_target():
-    tokens = list(range(8 * BS))
-    hashes = extend_block_hashes([], tokens, BS)
-    loads = [
-        load("empty", 0),
-        load("two_blocks", 30, cached=hashes[:2]),
-        load("six_blocks", 50, cached=hashes[:6] + [12345]),
-    ]
-    placements = rank_groups(demand(len(tokens) + 64, hashes), loads, load_weight=0.0)
-    assert [(p.group_id, p.reason, p.cached_prefix_blocks) for p in placements] == [
-        ("six_blocks", R.UNDER_TARGET_PREFIX, 6),
-        ("two_blocks", R.UNDER_TARGET_PREFIX, 2),
-        ("empty", R.UNDER_TARGET, 0),
-    ]
-
-
-def test_weighted_score_trades_a_short_prefix_for_load():
-    # 12 blocks: occupancies 0.12, 0.42, 0.62 (the highest under target). Scores, 3 x prefix
-    # fraction + 2 x (1 - occupancy / 0.62): six 2.25 + 0, empty 0 + 1.61, two 0.75 + 0.65.
-    tokens = list(range(8 * BS))
-    hashes = extend_block_hashes([], tokens, BS)
-    loads = [
-        load("empty", 0),
-        load("two_blocks", 30, cached=hashes[:2]),
-        load("six_blocks", 50, cached=hashes[:6] + [12345]),
-    ]
-    placements = rank_groups(demand(len(tokens) + 64, hashes), loads)
-    assert [(p.group_id, p.reason, p.cached_prefix_blocks) for p in placements] == [
-        ("six_blocks", R.UNDER_TARGET_PREFIX, 6),
-        ("empty", R.UNDER_TARGET, 0),
-        ("two_blocks", R.UNDER_TARGET_PREFIX, 2),
-    ]
-
-
-def test_a_shared_system_prompt_does_not_pull_every_request_to_one_group():
-    # Every prompt starts with the same 2 blocks; "warm" cached them with its first request and
-    # is busier (occupancy with the request 0.38 against 0.08). The strict order sends the next
-    # request there too; the score sends it to the idle group (3 x 2/8 = 0.75 against
-    # 2 x (1 - 0.08 / 0.38) = 1.58), but keeps a conversation's next turn (7 of 8 blocks
-    # cached: 2.63) where its prefix is.
-    system = list(range(2 * BS))
-    new_request = extend_block_hashes([], system + list(range(500, 500 + 6 * BS)), BS)
-    next_turn = extend_block_hashes([], system + list(range(900, 900 + 6 * BS)), BS)
-    warm = load("warm", 30, cached=new_request[:2] + next_turn[:7])
-    idle = load("idle", 0)
-    strict = rank_groups(demand(8 * BS, new_request), [warm, idle], load_weight=0.0)
-    assert ids(strict) == ["warm", "idle"]
-    assert ids(rank_groups(demand(8 * BS, new_request), [warm, idle])) == ["idle", "warm"]
-    assert ids(rank_groups(demand(8 * BS, next_turn), [warm, idle])) == ["warm", "idle"]
-
-
-def test_negative_weights_are_refused():
-    with pytest.raises(ValueError, match="must not be negative"):
-        rank_groups(demand(BS), [load("a", 0)], load_weight=-1.0)
-    with pytest.raises(ValueError, match="queue_weight must not be negative"):
-        rank_groups(demand(BS), [load("a", 0)], queue_weight=-1.0)
-
-
-def test_queue_weight_prefers_the_group_with_less_pending_compute():
-    # Same projected occupancy (10 blocks committed each); "busy" holds them as 10 blocks of
-    # tokens still to compute, "idle" as KV in use. Without the queue score the tie goes to the
-    # group id, "busy"; with it, the group with no backlog.
-    loads = [load("busy", 0, waiting=10 * BS), load("idle", 10)]
-    assert ids(rank_groups(demand(2 * BS), loads)) == ["busy", "idle"]
-    assert ids(rank_groups(demand(2 * BS), loads, queue_weight=2.0)) == ["idle", "busy"]
-    # sent-since-report tokens are pending too
-    loads = [load("busy", 0, sent=10 * BS), load("idle", 10)]
-    assert ids(rank_groups(demand(2 * BS), loads, queue_weight=2.0)) == ["idle", "busy"]
-
-
-def test_queue_weight_gives_way_to_a_long_cached_prefix():
-    hashes = extend_block_hashes([], list(range(8 * BS)), BS)
-    loads = [load("warm", 0, waiting=4 * BS, cached=hashes), load("cold", 4)]
-    placements = rank_groups(demand(8 * BS, hashes), loads, queue_weight=2.0)
-    assert ids(placements) == ["warm", "cold"]  # prefix 3 * 8/8 beats queue 2 * 1
-
-
-def test_headroom_load_scale_keeps_a_next_turn_on_its_group_while_both_are_far_from_target():
-    # 4 of the request's 10 blocks are cached on "warm"; projected occupancy 0.36 there, 0.12 on
-    # "idle". Relative to the busiest group idle's load score is 2 * (1 - 0.12/0.36) = 1.33,
-    # more than warm's prefix 3 * 4/10 = 1.2; as headroom under the 0.7 target the load
-    # difference is 2 * 0.24/0.7 = 0.69 and the prefix keeps the turn where its history is.
-    hashes = extend_block_hashes([], list(range(10 * BS)), BS)
-    loads = [load("warm", 30, cached=hashes[:4]), load("idle", 2)]
-    assert ids(rank_groups(demand(10 * BS, hashes), loads)) == ["idle", "warm"]
-    headroom = rank_groups(demand(10 * BS, hashes), loads, load_scale="target")
-    assert ids(headroom) == ["warm", "idle"]
-    assert headroom[0].reason is R.UNDER_TARGET_PREFIX
-    # with the busiest group at the target the two scales are one: 2 * (1 - 0.2/0.7) > 1.2
-    loads = [load("warm", 64, cached=hashes[:4]), load("idle", 10)]
-    for scale in ("highest", "target"):
-        assert ids(rank_groups(demand(10 * BS, hashes), loads, load_scale=scale)) == [
-            "idle", "warm"]
-
-
-def test_unknown_load_scale_is_refused_by_name():
-    with pytest.raises(ValueError, match="load_scale must be one of highest, target"):
-        rank_groups(demand(BS), [load("a", 0)], load_scale="lowest")
 
 
 def test_prefix_does_not_lift_an_over_target_group_above_an_under_target_one():
