@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequ
 
 from cluster.placement import DEFAULT_MAX_REPORT_AGE_S, GroupLoad
 from cluster.prefix_index import PrefixIndex
+from cluster.uniform_rank import is_uniform
 from kv.prefix_hash import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,11 @@ class ReplicaLoadTracker:
         self._held: Set[BlockHash] = set()
         self._load: Optional[GroupLoad] = None
         self._load_built_at = 0.0
+
+    @property
+    def bit(self) -> int:
+        """This group's bit in the prefix index (0 without one)."""
+        return self._bit
 
     def observe(self, stats: Optional[Mapping[str, Any]], now: float) -> Optional[GroupLoad]:
         """The group's load at ``now`` given the replica's current stats; None without a report."""
@@ -236,7 +242,8 @@ class FleetLoads:
     (``"engine_alive": false``) is counted in ``num_dead`` and left out."""
 
     __slots__ = ("replicas_list", "built_at", "loads", "replicas", "by_group", "position",
-                 "unreported", "num_dead", "_oldest_fresh_age_s")
+                 "gid_order", "committed", "bits", "uniform", "unreported", "num_dead",
+                 "_oldest_fresh_age_s")
 
     def __init__(self, replicas_list: Sequence[Any],
                  tracker_of: Callable[[Any], "ReplicaLoadTracker"], now: float,
@@ -249,16 +256,19 @@ class FleetLoads:
         self.position: Dict[str, int] = {}  # group id -> index in loads
         self.unreported: List[Any] = []
         self.num_dead = 0
+        self.bits = 0  # the prefix-index bits of the groups in loads
         oldest = 0.0
         for replica in replicas_list:
             stats = replica.routing_stats
             if stats and stats.get("engine_alive") is False:
                 self.num_dead += 1  # its health check is about to fail: never send it a request
                 continue
-            load = tracker_of(replica).observe(stats, now)
+            tracker = tracker_of(replica)
+            load = tracker.observe(stats, now)
             if load is None:
                 self.unreported.append(replica)
                 continue
+            self.bits |= tracker.bit
             self.position[load.group_id] = len(self.loads)
             self.loads.append(load)
             self.replicas.append(replica)
@@ -266,17 +276,26 @@ class FleetLoads:
             if oldest < load.report_age_s <= max_report_age_s:
                 oldest = load.report_age_s
         self._oldest_fresh_age_s = oldest
+        # the indices of loads by group id (a patch replaces a group's load, never its id)
+        self.gid_order = sorted(range(len(self.loads)), key=lambda i: self.loads[i].group_id)
+        self.committed = [load._num_blocks_committed for load in self.loads]
+        # rank_uniform may rank these loads; a patch may only turn it off (holds_until keeps
+        # fresh reports fresh, and a new report comes with a new list)
+        self.uniform = is_uniform(self.loads, max_report_age_s)
 
     def holds_until(self, now: float, max_report_age_s: float) -> bool:
         """Whether every fresh report it holds is still fresh at ``now`` (stale ones stay so)."""
         return self._oldest_fresh_age_s + (now - self.built_at) <= max_report_age_s
 
     def patch(self, trackers: Mapping[str, "ReplicaLoadTracker"], changed: Set[str],
-              now: float) -> None:
+              now: float, max_report_age_s: float) -> None:
         """Take the new loads of the ``changed`` groups (each had a report, so has a load)."""
         for group_id in changed:
             i = self.position.get(group_id)
             tracker = trackers.get(group_id)
             if i is None or tracker is None:
                 continue  # not in this list (or gone: a replica update follows)
-            self.loads[i] = tracker.observe(self.replicas[i].routing_stats, now)
+            load = self.loads[i] = tracker.observe(self.replicas[i].routing_stats, now)
+            self.committed[i] = load._num_blocks_committed
+            if self.uniform and not is_uniform((self.loads[0], load), max_report_age_s):
+                self.uniform = False

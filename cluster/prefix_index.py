@@ -6,6 +6,7 @@ group.
     bit = index.add_group("g1")            # a bit of its own
     index.add(bit, hashes); index.discard(bit, hashes)
     index.prefix_blocks(request_hashes)    # {"g1": 12, ...}: the groups holding a prefix
+    index.prefix_split(request_hashes, bits)  # (8, {"g1": 12}): what all hold, who holds more
 
 Block hashes are chained (`kv.prefix_hash`): a block's hash names its whole prefix, so a group's
 cached prefix is the leading run of request hashes it holds. The index maps each hash to the
@@ -24,7 +25,7 @@ prefix). Not thread-safe: the router calls it from its event loop only.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Sequence
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 from kv.prefix_hash import BlockHash
 
@@ -99,6 +100,34 @@ class PrefixIndex:
                     return found
         self._name(alive, len(hashes), found)
         return found
+
+    def prefix_split(self, hashes: Sequence[BlockHash], among: int) -> Tuple[int, Dict[str, int]]:
+        """For the groups whose bits are set in ``among``: the fewest leading ``hashes`` any of
+        them holds (the base: 0, or say a system prompt they all hold), and each group holding
+        more, with how many it holds. Only the groups that outlast the base are named, so a walk
+        costs O(request blocks + those groups), however many groups share the base."""
+        found: Dict[str, int] = {}
+        if not hashes or not among:
+            return 0, found
+        masks = self._masks
+        alive = masks.get(hashes[0], 0) & among
+        base = None if alive == among else 0  # None: every group still holds the prefix walked
+        if not alive:
+            return 0, found
+        for position in range(1, len(hashes)):
+            mask = alive & masks.get(hashes[position], 0)
+            if mask != alive:
+                if base is None:
+                    base = position  # the groups dropping first hold the base
+                else:
+                    self._name(alive & ~mask, position, found)
+                alive = mask
+                if not alive:
+                    return base, found
+        if base is None:
+            return len(hashes), found
+        self._name(alive, len(hashes), found)
+        return base, found
 
     def _name(self, bits: int, length: int, found: Dict[str, int]) -> None:
         group_of_bit = self._group_of_bit

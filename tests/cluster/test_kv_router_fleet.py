@@ -4,6 +4,7 @@ between decisions see every charge, every new report and the age of each report.
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import List
 
 import pytest
@@ -13,7 +14,9 @@ from ray.serve._private.common import DeploymentHandleSource, ReplicaID  # noqa:
 
 from cluster import kv_router  # noqa: E402
 from cluster.kv_router import KVAwareRouter  # noqa: E402
-from cluster.placement import PlacementReason  # noqa: E402
+from cluster.placement import PlacementReason, RequestDemand, rank_groups  # noqa: E402
+from cluster.uniform_rank import UniformRanking  # noqa: E402
+from kv.prefix_hash import extend_block_hashes  # noqa: E402
 from test_kv_router_ray import DEPLOYMENT, StandInReplica, request, stats  # noqa: E402
 
 
@@ -93,3 +96,44 @@ def test_reports_that_stop_arriving_turn_stale_without_a_replica_update(serve, m
     assert reasons("r1") == [PlacementReason.UNDER_TARGET] * 2
     clock[0] += 6.0  # past max_report_age_s, and no update in between
     assert reasons("r2") == [PlacementReason.STALE_REPORT] * 2
+
+
+def _ranked_by_rank_groups(router: KVAwareRouter, pending) -> List[str]:
+    loads = list(router.group_loads().values())
+    demand = RequestDemand(pending.kwargs["num_tokens"], tuple(pending.kwargs["block_hashes"]),
+                           pending.kwargs["block_size"])
+    return [p.group_id for p in rank_groups(demand, loads, 0.70, 5.0)]
+
+
+def test_a_large_uniform_fleet_is_ranked_as_rank_groups_ranks_it(serve):
+    # 30 groups (the uniform ranking's side of the threshold), all holding a 4-block system
+    # prompt; conversations' turns follow, charged and accepted as Serve would.
+    system = list(range(1, 4 * 16 + 1))
+    turns = [extend_block_hashes([], system + [1000 * c + t for t in range(16 * 6)], 16)
+             for c in range(5)]
+    shared = turns[0][:4]
+    replicas = [ServeStandIn(f"g{k:02d}", stats(1, (7 * k) % 60, cached_block_hashes=shared))
+                for k in range(30)]
+    serve.update(replicas)
+    rng = random.Random(0)
+    for i in range(40):
+        conv = turns[rng.randrange(len(turns))]
+        pending = request(f"r{i}", num_tokens=rng.randrange(16, 200), block_size=16,
+                          block_hashes=conv[:rng.randrange(4, len(conv) + 1)])
+        expected = _ranked_by_rank_groups(serve.router, pending)
+        assert serve.choose(pending) == expected
+        assert isinstance(serve.router._pending[f"r{i}"].placements, UniformRanking)
+        serve.router.on_request_routed(pending, ReplicaID(expected[0], DEPLOYMENT), None)
+
+
+def test_a_stale_report_sends_the_fleet_back_to_rank_groups(serve, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(kv_router.time, "time", lambda: clock[0])
+    old = ServeStandIn("old", stats(1, 0))
+    serve.update([old])
+    clock[0] += 6.0  # past max_report_age_s: its report stopped arriving
+    serve.update([old] + [ServeStandIn(f"g{k:02d}", stats(1, k)) for k in range(29)])
+    pending = request("r", num_tokens=32, block_size=16, block_hashes=[])
+    expected = _ranked_by_rank_groups(serve.router, pending)
+    assert serve.choose(pending) == expected and expected[-1] == "old"
+    assert isinstance(serve.router._pending["r"].placements, list)

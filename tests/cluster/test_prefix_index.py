@@ -38,6 +38,23 @@ def test_one_walk_finds_every_groups_prefix(group_sets, hashes):
     assert index.prefix_blocks(hashes) == scanned(held, hashes)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sets(st.integers(0, 12), max_size=10), min_size=1, max_size=70),
+       st.lists(st.integers(0, 12), max_size=12), st.data())
+def test_split_finds_the_base_every_group_holds_and_who_holds_more(group_sets, hashes, data):
+    index = PrefixIndex()
+    held = {f"g{i}": cached for i, cached in enumerate(group_sets)}
+    bits = {group_id: index.add_group(group_id) for group_id in held}
+    for group_id, cached in held.items():
+        index.add(bits[group_id], cached)
+    among = data.draw(st.sets(st.sampled_from(sorted(held)), min_size=1))
+    lengths = {g: n for g, n in scanned(held, hashes).items() if g in among}
+    base = min(lengths.get(g, 0) for g in among)
+    mask = sum(bits[g] for g in among)
+    assert index.prefix_split(hashes, mask) == (
+        base, {g: n for g, n in lengths.items() if n > base})
+
+
 def test_discard_and_removed_groups_leave_no_trace_and_bits_are_reused():
     index = PrefixIndex()
     a, b = index.add_group("a"), index.add_group("b")
