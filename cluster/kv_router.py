@@ -5,6 +5,8 @@
          -> GroupLoads (built on each replica update, patched per charge: `FleetLoads`)
          + every group's cached prefix of H in one walk (`PrefixIndex`)
          -> rank_groups -> [[best replica], [next], ..., [replicas without a report]]
+            (the same ranking by `cluster.uniform_rank.rank_uniform` for fleets of 24+ groups
+            with one pool size and fresh reports: no Python pass over every group)
          and T is charged to the first choice at once (the rest of a burst must see it)
       -> Serve tries the ranks in order (a full replica, by its queue length, is passed over)
       -> on_request_routed: a replica accepted it; count the reason, move the charge there
