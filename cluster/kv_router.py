@@ -341,7 +341,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         max_age_s = self._settings.max_report_age_s
         if (fleet is not None and fleet.replicas_list is candidate_replicas
                 and fleet.holds_until(now, max_age_s)):
-            fleet.patch(self._trackers, changed, now, max_age_s)
+            fleet.patch(self._trackers, changed, now)
             changed.clear()
             return fleet
         changed.clear()

@@ -279,8 +279,9 @@ class FleetLoads:
         # the indices of loads by group id (a patch replaces a group's load, never its id)
         self.gid_order = sorted(range(len(self.loads)), key=lambda i: self.loads[i].group_id)
         self.committed = [load._num_blocks_committed for load in self.loads]
-        # rank_uniform may rank these loads; a patch may only turn it off (holds_until keeps
-        # fresh reports fresh, and a new report comes with a new list)
+        # rank_uniform may rank these loads. A patch changes charges only: a group's pool, block
+        # size and report come with a new replica list (a new FleetLoads), and holds_until keeps
+        # fresh reports fresh until then.
         self.uniform = is_uniform(self.loads, max_report_age_s)
 
     def holds_until(self, now: float, max_report_age_s: float) -> bool:
@@ -288,7 +289,7 @@ class FleetLoads:
         return self._oldest_fresh_age_s + (now - self.built_at) <= max_report_age_s
 
     def patch(self, trackers: Mapping[str, "ReplicaLoadTracker"], changed: Set[str],
-              now: float, max_report_age_s: float) -> None:
+              now: float) -> None:
         """Take the new loads of the ``changed`` groups (each had a report, so has a load)."""
         for group_id in changed:
             i = self.position.get(group_id)
@@ -297,5 +298,3 @@ class FleetLoads:
                 continue  # not in this list (or gone: a replica update follows)
             load = self.loads[i] = tracker.observe(self.replicas[i].routing_stats, now)
             self.committed[i] = load._num_blocks_committed
-            if self.uniform and not is_uniform((self.loads[0], load), max_report_age_s):
-                self.uniform = False
