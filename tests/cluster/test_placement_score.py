@@ -12,25 +12,16 @@ from kv.prefix_hash import extend_block_hashes
 from test_placement import BS, R, demand, ids, load
 
 
-def test_without_a_load_weight_the_longest_cached_prefix_wins_under_target():
-    tokens = list(range(8 * BS))
-    hashes = extend_block_hashes([], tokens, BS)
-    loads = [
-        load("empty", 0),
-        load("two_blocks", 30, cached=hashes[:2]),
-        load("six_blocks", 50, cached=hashes[:6] + [12345]),
-    ]
-    placements = rank_groups(demand(len(tokens) + 64, hashes), loads, load_weight=0.0)
-    assert [(p.group_id, p.reason, p.cached_prefix_blocks) for p in placements] == [
-        ("six_blocks", R.UNDER_TARGET_PREFIX, 6),
-        ("two_blocks", R.UNDER_TARGET_PREFIX, 2),
-        ("empty", R.UNDER_TARGET, 0),
-    ]
-
-
-def test_weighted_score_trades_a_short_prefix_for_load():
+@pytest.mark.parametrize("load_weight, expected", [
+    # the strict order: the longest cached prefix first, load only breaking ties
+    (0.0, [("six_blocks", R.UNDER_TARGET_PREFIX, 6), ("two_blocks", R.UNDER_TARGET_PREFIX, 2),
+           ("empty", R.UNDER_TARGET, 0)]),
     # 12 blocks: occupancies 0.12, 0.42, 0.62 (the highest under target). Scores, 3 x prefix
     # fraction + 2 x (1 - occupancy / 0.62): six 2.25 + 0, empty 0 + 1.61, two 0.75 + 0.65.
+    (2.0, [("six_blocks", R.UNDER_TARGET_PREFIX, 6), ("empty", R.UNDER_TARGET, 0),
+           ("two_blocks", R.UNDER_TARGET_PREFIX, 2)]),
+])
+def test_the_load_weight_trades_a_short_prefix_for_load(load_weight, expected):
     tokens = list(range(8 * BS))
     hashes = extend_block_hashes([], tokens, BS)
     loads = [
@@ -38,12 +29,8 @@ def test_weighted_score_trades_a_short_prefix_for_load():
         load("two_blocks", 30, cached=hashes[:2]),
         load("six_blocks", 50, cached=hashes[:6] + [12345]),
     ]
-    placements = rank_groups(demand(len(tokens) + 64, hashes), loads)
-    assert [(p.group_id, p.reason, p.cached_prefix_blocks) for p in placements] == [
-        ("six_blocks", R.UNDER_TARGET_PREFIX, 6),
-        ("empty", R.UNDER_TARGET, 0),
-        ("two_blocks", R.UNDER_TARGET_PREFIX, 2),
-    ]
+    placements = rank_groups(demand(len(tokens) + 64, hashes), loads, load_weight=load_weight)
+    assert [(p.group_id, p.reason, p.cached_prefix_blocks) for p in placements] == expected
 
 
 def test_a_shared_system_prompt_does_not_pull_every_request_to_one_group():
