@@ -81,11 +81,11 @@ from ray.serve.request_router import (
 from cluster.load_report import FleetLoads, ReplicaLoadTracker
 from cluster.metrics import register_router_decisions
 from cluster.placement import (
+    DEFAULT_LOAD_SCALE,
     DEFAULT_LOAD_WEIGHT,
     DEFAULT_MAX_REPORT_AGE_S,
     DEFAULT_PREFIX_WEIGHT,
     DEFAULT_QUEUE_WEIGHT,
-    DEFAULT_LOAD_SCALE,
     DEFAULT_TARGET_OCCUPANCY,
     GroupLoad,
     Placement,
@@ -93,8 +93,8 @@ from cluster.placement import (
     rank_groups,
 )
 from cluster.prefix_index import PrefixIndex
-from cluster.uniform_rank import rank_uniform
 from cluster.router_settings import RouterSettings
+from cluster.uniform_rank import rank_uniform
 from kv.prefix_hash import BlockHash
 
 logger = logging.getLogger(__name__)
