@@ -36,7 +36,7 @@ _AGE = attrgetter("report_age_s")
 
 class UniformRanking(Sequence[Placement]):
     """``rank_groups``' result for a uniform fleet: ``order[k]`` is the index (into the loads) of
-    the group ranked k-th; ``placement(k)`` its `Placement`, made when read."""
+    the group ranked k-th, and item k its `Placement`, made when read."""
 
     __slots__ = ("order", "_loads", "_committed", "_prefix", "_num_blocks", "_total", "_target")
 
@@ -103,8 +103,10 @@ def rank_uniform(
         highest = max(o for o in occupancies if o <= target_occupancy)
     key.set_highest(highest)
     longer_sorted = sorted(prefix, key=lambda i: key(i, prefix[i]))
-    return UniformRanking(_merge(order, longer_sorted, key, base, prefix), loads, committed,
-                          prefix, num_blocks, target_occupancy)
+    # a copy of the committed blocks: the fleet's list changes with the next charge, and a
+    # decision's placements are read again when a replica accepts the request
+    return UniformRanking(_merge(order, longer_sorted, key, base, prefix), loads,
+                          list(committed), prefix, num_blocks, target_occupancy)
 
 
 def is_uniform(loads: Sequence[GroupLoad], max_report_age_s: float) -> bool:

@@ -116,14 +116,20 @@ def test_a_large_uniform_fleet_is_ranked_as_rank_groups_ranks_it(serve):
                 for k in range(30)]
     serve.update(replicas)
     rng = random.Random(0)
+    decided = []
     for i in range(40):
         conv = turns[rng.randrange(len(turns))]
         pending = request(f"r{i}", num_tokens=rng.randrange(16, 200), block_size=16,
                           block_hashes=conv[:rng.randrange(4, len(conv) + 1)])
         expected = _ranked_by_rank_groups(serve.router, pending)
         assert serve.choose(pending) == expected
-        assert isinstance(serve.router._pending[f"r{i}"].placements, UniformRanking)
-        serve.router.on_request_routed(pending, ReplicaID(expected[0], DEPLOYMENT), None)
+        placements = serve.router._pending[f"r{i}"].placements
+        assert isinstance(placements, UniformRanking)
+        decided.append((placements, list(placements)))
+        if i % 2:  # every other request is still routing when the next ones are decided
+            serve.router.on_request_routed(pending, ReplicaID(expected[0], DEPLOYMENT), None)
+    # what a decision ranked stays as it was when later charges change the fleet's loads
+    assert all(list(placements) == then for placements, then in decided)
 
 
 def test_a_stale_report_sends_the_fleet_back_to_rank_groups(serve, monkeypatch):
