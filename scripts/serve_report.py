@@ -174,8 +174,9 @@ def print_router_lines(meta: Dict[str, Any], checks: Dict[str, Optional[bool]]) 
           f"({r['router_decision_source']}); reasons {r['router_decisions_by_reason']}")
     print(f"rank_groups and the prefix-index walk alone (this process, hot): p50 "
           f"{r['rank_groups_us_p50_2_groups']} us with 2 "
-          f"groups, {r['rank_groups_us_p50_64_groups']} us with 64 (the 50 us target is for "
-          f"live decisions; scripts/bench_router.py times whole decisions, cold too)")
+          f"groups, {r['rank_groups_us_p50_64_groups']} us with 64 (the router ranks fleets of "
+          f"24+ uniform groups with rank_uniform instead; the 50 us target is for live "
+          f"decisions; scripts/bench_router.py times whole decisions, cold too)")
     if checks:
         print("targets (kv-aware vs pow2: TTFT p99 <= 0.8x, throughput >=, hit rate >, fewer "
               "preemptions; vs prefix affinity: no worse): "
