@@ -8,8 +8,9 @@ walked between decisions, as the engines between two requests do to the router's
 Why cold: in the ingress a decision comes every few milliseconds at most, between engine steps
 that stream hundreds of MB through the caches; the live decision times `scripts/bench_serve.py`
 reads from the ingress (77-88 us with 2 and 8 groups) match this script's cold figures, not its
-hot ones. Live decisions with 64 groups cannot be measured on a 24 GiB host: 64 group replicas
-took 20.5 GB before their engines started (README).
+hot ones; so do the live ones with 64 groups (``scripts/bench_serve.py --groups 64 --num-cpus 64``
+with the 2-layer test checkpoint, about 19 GB on a 24 GiB host: 139-146 us p50 against 125 cold
+here; README).
 
 The routers are the real classes, called as Serve calls them (``choose_replicas``, then
 ``on_request_routed`` for the replica taken). The replicas are stand-ins carrying what a router
