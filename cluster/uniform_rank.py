@@ -80,7 +80,7 @@ def rank_uniform(
     reports (the caller checks: `is_uniform`). ``committed``: each load's committed blocks;
     ``gid_order``: the indices of ``loads`` by group id; ``base``: the fewest leading request
     blocks any group holds; ``longer``: index -> blocks held, for the groups holding more (as
-    `PrefixIndex.prefix_split` finds them, or `split_prefixes` from a per-group count)."""
+    `PrefixIndex.prefix_split` finds them)."""
     num_blocks = -(-demand.num_tokens // loads[0].block_size)
     if not demand.block_hashes or demand.block_size != loads[0].block_size:
         base, longer = 0, {}  # no affinity (rank_groups counts a prefix at the same size only)
@@ -114,15 +114,6 @@ def is_uniform(loads: Sequence[GroupLoad], max_report_age_s: float) -> bool:
     return bool(loads) and (max(map(_AGE, loads)) <= max_report_age_s
                             and len(set(map(_TOTAL, loads))) == 1
                             and len(set(map(_BLOCK_SIZE, loads))) == 1)
-
-
-def split_prefixes(cached_prefix: Mapping[str, int],
-                   position: Mapping[str, int]) -> Tuple[int, Dict[int, int]]:
-    """(base, index -> blocks for the groups holding more) from each group's count of leading
-    blocks held (`PrefixIndex.prefix_blocks`' result; groups left out hold none)."""
-    held = {position[g]: n for g, n in cached_prefix.items() if g in position}
-    base = min(held.values()) if len(held) == len(position) else 0
-    return base, {i: n for i, n in held.items() if n > base}
 
 
 class _Base(dict):

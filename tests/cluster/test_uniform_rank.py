@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.placement import GroupLoad, RequestDemand, rank_groups
-from cluster.uniform_rank import is_uniform, rank_uniform, split_prefixes
+from cluster.uniform_rank import is_uniform, rank_uniform
 
 BS = 16
 
@@ -15,6 +15,14 @@ BS = 16
 def group(gid: str, used: int, total: int, waiting: int = 0, sent: int = 0, age: float = 0.1,
           block_size: int = BS) -> GroupLoad:
     return GroupLoad(gid, used, total, block_size, waiting, frozenset(), 1, age, sent)
+
+
+def split_prefixes(cached_prefix, position):
+    """(base, index -> blocks for the groups holding more) from each group's count of leading
+    blocks held, as `PrefixIndex.prefix_split` gives them (test_prefix_index.py checks it)."""
+    held = {position[g]: n for g, n in cached_prefix.items() if g in position}
+    base = min(held.values()) if len(held) == len(position) else 0
+    return base, {i: n for i, n in held.items() if n > base}
 
 
 def fast(demand, loads, cached, target=0.7, max_age=5.0, prefix_weight=3.0, load_weight=2.0,
