@@ -310,7 +310,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             base, named = self._prefix_index.prefix_split(demand.block_hashes, fleet.bits)
             position = fleet.position
             placements = rank_uniform(
-                demand, loads, fleet.committed, fleet.gid_order, base,
+                demand, loads, fleet.gid_order, base,
                 {position[group_id]: held for group_id, held in named.items()},
                 settings.target_occupancy, settings.prefix_weight, settings.load_weight,
                 settings.load_scale)

@@ -242,7 +242,7 @@ class FleetLoads:
     (``"engine_alive": false``) is counted in ``num_dead`` and left out."""
 
     __slots__ = ("replicas_list", "built_at", "loads", "replicas", "by_group", "position",
-                 "gid_order", "committed", "bits", "uniform", "unreported", "num_dead",
+                 "gid_order", "bits", "uniform", "unreported", "num_dead",
                  "_oldest_fresh_age_s")
 
     def __init__(self, replicas_list: Sequence[Any],
@@ -278,7 +278,6 @@ class FleetLoads:
         self._oldest_fresh_age_s = oldest
         # the indices of loads by group id (a patch replaces a group's load, never its id)
         self.gid_order = sorted(range(len(self.loads)), key=lambda i: self.loads[i].group_id)
-        self.committed = [load._num_blocks_committed for load in self.loads]
         # rank_uniform may rank these loads. A patch changes charges only: a group's pool, block
         # size and report come with a new replica list (a new FleetLoads), and holds_until keeps
         # fresh reports fresh until then.
@@ -296,5 +295,4 @@ class FleetLoads:
             tracker = trackers.get(group_id)
             if i is None or tracker is None:
                 continue  # not in this list (or gone: a replica update follows)
-            load = self.loads[i] = tracker.observe(self.replicas[i].routing_stats, now)
-            self.committed[i] = load._num_blocks_committed
+            self.loads[i] = tracker.observe(self.replicas[i].routing_stats, now)

@@ -29,6 +29,7 @@ from typing import Dict, Iterator, List, Mapping, Sequence, Tuple
 
 from cluster.placement import _REASONS, GroupLoad, Placement, RequestDemand
 
+_COMMITTED = attrgetter("_num_blocks_committed")
 _TOTAL = attrgetter("num_blocks_total")
 _BLOCK_SIZE = attrgetter("block_size")
 _AGE = attrgetter("report_age_s")
@@ -67,7 +68,6 @@ class UniformRanking(Sequence[Placement]):
 def rank_uniform(
     demand: RequestDemand,
     loads: Sequence[GroupLoad],
-    committed: List[int],
     gid_order: Sequence[int],
     base: int,
     longer: Mapping[int, int],
@@ -77,8 +77,7 @@ def rank_uniform(
     load_scale: str,
 ) -> UniformRanking:
     """``rank_groups(demand, loads, ...)`` with ``queue_weight`` 0, for a uniform fleet of fresh
-    reports (the caller checks: `is_uniform`). ``committed``: each load's committed blocks;
-    ``gid_order``: the indices of ``loads`` by group id; ``base``: the fewest leading request
+    reports (the caller checks: `is_uniform`). ``gid_order``: the indices of ``loads`` by group id; ``base``: the fewest leading request
     blocks any group holds; ``longer``: index -> blocks held, for the groups holding more (as
     `PrefixIndex.prefix_split` finds them)."""
     num_blocks = -(-demand.num_tokens // loads[0].block_size)
@@ -89,6 +88,7 @@ def rank_uniform(
     for i, held in longer.items():
         if min(held, num_blocks) > base:
             prefix[i] = min(held, num_blocks)
+    committed = list(map(_COMMITTED, loads))  # read now: the loads change with every charge
     order = sorted(gid_order, key=committed.__getitem__)  # stable: ties stay by group id
     for i in prefix:
         order.remove(i)
@@ -103,10 +103,8 @@ def rank_uniform(
         highest = max(o for o in occupancies if o <= target_occupancy)
     key.set_highest(highest)
     longer_sorted = sorted(prefix, key=lambda i: key(i, prefix[i]))
-    # a copy of the committed blocks: the fleet's list changes with the next charge, and a
-    # decision's placements are read again when a replica accepts the request
-    return UniformRanking(_merge(order, longer_sorted, key, base, prefix), loads,
-                          list(committed), prefix, num_blocks, target_occupancy)
+    return UniformRanking(_merge(order, longer_sorted, key, base, prefix), loads, committed,
+                          prefix, num_blocks, target_occupancy)
 
 
 def is_uniform(loads: Sequence[GroupLoad], max_report_age_s: float) -> bool:

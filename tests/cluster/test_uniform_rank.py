@@ -32,9 +32,8 @@ def fast(demand, loads, cached, target=0.7, max_age=5.0, prefix_weight=3.0, load
         return None
     gid_order = sorted(range(len(loads)), key=lambda i: loads[i].group_id)
     position = {load.group_id: i for i, load in enumerate(loads)}
-    committed = [load._num_blocks_committed for load in loads]
     base, longer = split_prefixes(cached, position)
-    return rank_uniform(demand, loads, committed, gid_order, base, longer, target,
+    return rank_uniform(demand, loads, gid_order, base, longer, target,
                         prefix_weight, load_weight, load_scale)
 
 
