@@ -79,7 +79,7 @@ from serve_report import (ROUTER_LABELS, flat_json, percentile, plot_sweep,  # n
                           print_header, print_router_lines, print_sweep, print_table, summarize,
                           sweep_json, target_checks)
 from serve_workload import (BenchRequest, Scaling, arrival_times,  # noqa: E402,F401
-                            auto_kv_blocks, build_workload, calibration_sample,
+                            auto_kv_blocks, build_workload, calibration_sample, ideal_hit_rate,
                             longest_request_blocks, poisson_rate, sustained_rate, with_rate,
                             with_system_prompt, working_set_blocks, workload_figures)
 from traces import (MOONCAKE_SYNTHETIC_TRACE, TraceError, TraceRequest,  # noqa: E402,F401

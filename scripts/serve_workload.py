@@ -105,14 +105,40 @@ def working_set_blocks(requests: Sequence[BenchRequest], block_size: int) -> int
     seen: set = set()
     num_own = 0
     for r in requests:
-        key: Tuple = ()
+        seen.update(_block_keys(r.prompt_ids, block_size))
         num_full = len(r.prompt_ids) // block_size
-        for i in range(num_full):
-            key = (hash(key), tuple(r.prompt_ids[i * block_size:(i + 1) * block_size]))
-            seen.add(key)
         num_own += math.ceil((len(r.prompt_ids) - num_full * block_size + r.max_tokens)
                              / block_size)
     return len(seen) + num_own
+
+
+def ideal_hit_rate(requests: Sequence[BenchRequest], block_size: int) -> float:
+    """The prefix-cache hit rate (cached prompt tokens / prompt tokens) of one group with an
+    endless pool serving the requests one at a time in arrival order: every full block computed
+    stays cached, and a prompt reuses at most ``(len - 1) // block_size`` leading blocks, as the
+    engine looks them up. No router on any number of groups does better: more groups compute a
+    shared block once each, and a turn that arrives while the one before it runs finds less."""
+    seen: set = set()
+    hits = queries = 0
+    for r in requests:
+        keys = _block_keys(r.prompt_ids, block_size)
+        lookable = (len(r.prompt_ids) - 1) // block_size
+        num_hit = next((i for i, key in enumerate(keys[:lookable]) if key not in seen), lookable)
+        hits += num_hit * block_size
+        queries += len(r.prompt_ids)
+        seen.update(keys)
+    return hits / queries if queries else 0.0
+
+
+def _block_keys(prompt_ids: Sequence[int], block_size: int) -> List[Tuple]:
+    """One key per full block, telling blocks apart by their whole prefix (as the engine's
+    chained block hashes do)."""
+    keys: List[Tuple] = []
+    key: Tuple = ()
+    for i in range(len(prompt_ids) // block_size):
+        key = (hash(key), tuple(prompt_ids[i * block_size:(i + 1) * block_size]))
+        keys.append(key)
+    return keys
 
 
 def longest_request_blocks(requests: Sequence[BenchRequest], block_size: int) -> int:
@@ -156,8 +182,9 @@ def calibration_sample(requests: Sequence[BenchRequest], num: int) -> List[Bench
     return [replace(requests[int(i * step)], arrival_s=0.0) for i in range(num)]
 
 
-def workload_figures(requests: Sequence[BenchRequest], block_size: int) -> Dict[str, int]:
+def workload_figures(requests: Sequence[BenchRequest], block_size: int) -> Dict[str, float]:
     return {"workload_prompt_tokens": sum(len(r.prompt_ids) for r in requests),
             "workload_output_tokens": sum(r.max_tokens for r in requests),
             "working_set_blocks": working_set_blocks(requests, block_size),
+            "ideal_prefix_hit_rate": round(ideal_hit_rate(requests, block_size), 3),
             "longest_request_blocks": longest_request_blocks(requests, block_size)}

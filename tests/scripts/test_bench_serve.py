@@ -24,8 +24,8 @@ REQUIRED_KEYS = (
     "router_decision_us_p50", "rank_groups_us_p50_64_groups", "num_ok", "num_ok_pow2",
     "num_failed", "num_failed_pow2", "num_not_sent", "num_not_sent_pow2", "prompt_scale",
     "max_output", "num_requests", "wall_s", "other_cpu_frac", "other_cpu_frac_pow2", "load_avg",
-    "rate_req_s", "kv_blocks", "working_set_over_pool", "ttft_p99_met_pow2",
-    "ttft_p99_met_prefix_affinity",
+    "rate_req_s", "kv_blocks", "working_set_over_pool", "ideal_prefix_hit_rate",
+    "ttft_p99_met_pow2", "ttft_p99_met_prefix_affinity",
 )
 
 
@@ -71,7 +71,7 @@ def test_four_routers_end_to_end_print_sane_json_last(tmp_path, tiny_llama):
         assert result["output_tokens" + suffix] == 18  # 3 tokens each, every request
         assert result["throughput_tok_s" + suffix] > 0
         assert 0 < result["ttft_p50_ms" + suffix] <= result["ttft_p99_ms" + suffix] < 60_000
-        assert 0 <= result["prefix_hit_rate" + suffix] <= 1
+        assert 0 <= result["prefix_hit_rate" + suffix] <= result["ideal_prefix_hit_rate"] <= 1
         assert len(result["kv_usage_mean_by_group" + suffix]) == 2
     assert result["num_requests"] == 6 and 3 <= result["num_conversations"] <= 4
     assert result["router_decision_source"].startswith("live")
@@ -208,6 +208,16 @@ def test_working_set_counts_shared_full_blocks_once(bench):
     # prefix); own blocks: ceil((1+3)/2) = 2, ceil((0+4)/2) = 2, ceil((1+1)/2) = 1
     assert bench.working_set_blocks(reqs, 2) == 4 + 5
     assert bench.longest_request_blocks(reqs, 2) == 4
+
+
+def test_ideal_hit_rate_counts_leading_blocks_seen_before_leaving_one_token(bench):
+    first = list(range(10))  # block size 4: full blocks [0-3] [4-7]; 2 may be looked up
+    reqs = [bench.BenchRequest(first, 1, 0.0),
+            bench.BenchRequest(first[:8] + [50, 51, 52, 53, 54], 1, 1.0),  # 2 blocks hit: 8
+            bench.BenchRequest(first[:8], 1, 2.0),  # (8 - 1) // 4 = 1 block looked up: 4
+            bench.BenchRequest([60, 61, 62, 63] + first[4:8], 1, 3.0)]  # [4-7] after another
+    assert bench.ideal_hit_rate(reqs, 4) == pytest.approx((8 + 4) / (10 + 13 + 8 + 8))
+    assert bench.ideal_hit_rate(reqs[:1], 4) == 0.0 and bench.ideal_hit_rate([], 4) == 0.0
 
 
 def test_auto_kv_blocks_puts_the_working_set_over_the_pool(bench):
