@@ -4,7 +4,7 @@ KV cache. Parameter names follow the Hugging Face checkpoints; q/k/v and gate/up
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,9 @@ from workers.model_config import ModelConfig
 from workers.models.rope import RotaryEmbedding
 
 
+_RMS_NORM = getattr(F, "rms_norm", None)  # torch >= 2.4
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -30,6 +33,10 @@ class RMSNorm(nn.Module):
         set_weight_loader(self.weight, default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.device.type == "cpu" and _RMS_NORM is not None:
+            # On CPU torch's rms_norm is the expression below, bit for bit, in one call: 8
+            # dispatched ops fewer, 2 per layer, on a decode step that dispatches thousands.
+            return _RMS_NORM(x, self.weight.shape, self.weight, self.eps)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -47,15 +54,22 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
+        q_size, k_size, _ = self.qkv_proj.local_sizes
+        self.num_q_heads = q_size // config.head_dim  # local
+        self.qk_size = q_size + k_size
 
     def forward(self, hidden: torch.Tensor, metadata: StepMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """``rope``: the step's cos/sin tables (`RotaryEmbedding.tables`), else looked up here."""
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = q.view(num_tokens, -1, self.head_dim)  # [T, H_local, D]
-        k = k.view(num_tokens, -1, self.head_dim)  # [T, Hkv_local, D]
-        v = v.view(num_tokens, -1, self.head_dim)
-        q, k = self.rotary(metadata.positions, q, k)
+        qkv = self.qkv_proj(hidden)  # [T, (H_local + 2 Hkv_local) * D]: q, k, v side by side
+        if rope is None:
+            rope = self.rotary.tables(metadata.positions)
+        # q and k rotated in one pass: [T, H_local + Hkv_local, D]
+        qk = self.rotary.rotate(qkv[:, :self.qk_size].view(num_tokens, -1, self.head_dim), rope)
+        q, k = qk[:, :self.num_q_heads], qk[:, self.num_q_heads:]
+        v = qkv[:, self.qk_size:].view(num_tokens, -1, self.head_dim)
         # Writes k/v into the cache, then attends: [T, H_local*D]
         out = self.attention.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out)
@@ -85,8 +99,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp, dtype)
 
     def forward(self, hidden: torch.Tensor, metadata: StepMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), metadata, k_cache, v_cache)
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), metadata, k_cache, v_cache,
+                                         rope)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -95,7 +111,8 @@ class LlamaModel(nn.Module):
                  max_positions: int, attention: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
-        rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, tp.device)
+        self.rotary = rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype,
+                                               tp.device)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, tp, dtype, rotary, attention)
             for _ in range(config.num_layers))
@@ -129,8 +146,9 @@ class LlamaForCausalLM(nn.Module):
                 kv_cache: KVCache) -> torch.Tensor:
         """``metadata[i]`` holds layer i's indices: layers differ by their sliding window."""
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.model.rotary.tables(metadata[0].positions)  # every layer's positions
         for index, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, metadata[index], *kv_cache.layer(index))
+            hidden = layer(hidden, metadata[index], *kv_cache.layer(index), rope)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:

@@ -4,6 +4,7 @@ so that our activations match its, bit for bit in fp32."""
 from __future__ import annotations
 
 import math
+from typing import Tuple
 
 import torch
 from torch import nn
@@ -52,7 +53,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype=dtype, device=device), persistent=False)
 
+    def tables(self, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[T, 1, D]`` of the step's positions: looked up once per step and
+        shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, tables: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``x`` ``[T, heads, D]`` rotated: any heads, q's and k's side by side included (the
+        same elementwise expression as for each alone, so the same bits)."""
+        cos, sin = tables
+        return x * cos + _rotate_half(x) * sin
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        tables = self.tables(positions)
+        return self.rotate(q, tables), self.rotate(k, tables)
