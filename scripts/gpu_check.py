@@ -97,24 +97,29 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def run_section(name: str, module: str, function: str, ctx, report) -> None:
     """Run one section into ``report``; an exception (an import included) becomes its error."""
-    from gpu_check_common import free_device_memory
+    from gpu_check_common import free_device_memory, synchronize
 
     started = time.perf_counter()
     try:
         getattr(importlib.import_module(module), function)(ctx, report)
+        synchronize()  # an asynchronous fault of this section is raised here
     except Exception as exc:  # noqa: BLE001 - one failing section must not hide the others
         traceback.print_exc()
         report.error = f"{type(exc).__name__}: {exc}"
         print(f"  ERROR   {report.error}", flush=True)
     finally:
         report.seconds = time.perf_counter() - started
-        free_device_memory()
+        freeing = free_device_memory()
+        if freeing is not None and report.error is None:
+            report.error = f"freeing device memory after the section: {freeing}"
+            print(f"  ERROR   {report.error}", flush=True)
 
 
-def run_sections(ctx, args: argparse.Namespace, started: float, header: Dict[str, object]):
+def run_sections(ctx, args: argparse.Namespace, started: float, header: Dict[str, object],
+                 reports: List) -> None:
+    """Each selected section in turn, appended to ``reports`` as it starts."""
     from gpu_check_common import Report
 
-    reports: List = []
     for name, module, function, what in SECTIONS:
         if name not in args.sections:
             continue
@@ -129,7 +134,6 @@ def run_sections(ctx, args: argparse.Namespace, started: float, header: Dict[str
             run_section(name, module, function, ctx, report)
             print(f"  -> {report.status} in {report.seconds:.1f} s", flush=True)
         _write_json(args.json_out, summary(header, reports, started, complete=False))
-    return reports
 
 
 def summary(header: Dict[str, object], reports, started: float,
@@ -184,10 +188,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     header = describe_machine(args)
     print(json.dumps(header), flush=True)
-    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        ctx = CheckContext(torch.device(args.device), args.quick, Path(tmp), args)
-        reports = run_sections(ctx, args, started, header)
+    reports: List = []
+    runner_error = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+            ctx = CheckContext(torch.device(args.device), args.quick, Path(tmp), args)
+            run_sections(ctx, args, started, header, reports)
+    except Exception as exc:  # noqa: BLE001 - the summary below must still be printed
+        traceback.print_exc()
+        runner_error = f"{type(exc).__name__}: {exc}"
     result = summary(header, reports, started)
+    if runner_error is not None:
+        result.update(passed=False, runner_error=runner_error)
     print(f"\n{'PASSED' if result['passed'] else 'FAILED: ' + ', '.join(result['failed'])}"
           f" in {result['wall_s']:.0f} s; skipped: {result['skipped'] or 'none'}; "
           f"not available: {result['not_available'] or 'none'}")

@@ -102,11 +102,25 @@ class CheckContext:
         return self._parity_model
 
 
-def free_device_memory() -> None:
-    """Let the next engine or model have the memory of the last one."""
+def free_device_memory() -> Optional[str]:
+    """Let the next engine or model have the memory of the last one. Returns the error instead
+    of raising it: after a fault (an illegal address is sticky) every CUDA call fails, and the
+    caller still has to report the sections and print the summary."""
     gc.collect()
-    if torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        return None
+    try:
         torch.cuda.empty_cache()
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work (where CUDA is in use), so that an asynchronous fault is
+    raised in the section that caused it and not in the next one."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def token_mismatch(got: Sequence[List[int]], want: Sequence[List[int]]) -> Dict[str, float]:
