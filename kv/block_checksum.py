@@ -58,11 +58,14 @@ XXH3 = BlockChecksum("xxh3", block_checksum)
 
 
 def pool_rows(kv_cache: KVCache) -> Tuple[torch.Tensor, int]:
-    """The pool as bytes ``[2 * num_layers, num_blocks * row_bytes]`` and ``row_bytes``: block
-    ``b`` is columns ``[b * row_bytes, (b + 1) * row_bytes)`` of every row (a view, no copy)."""
+    """The pool as bytes ``[2 * num_layers, blocks * row_bytes]`` and ``row_bytes``: block ``b``
+    is columns ``[b * row_bytes, (b + 1) * row_bytes)`` of every row (a view, no copy). ``blocks``
+    counts a scratch block too where the pool has one, so ``row_bytes`` comes from the spec."""
     spec = kv_cache.spec
     rows = kv_cache.data.view(2 * spec.num_layers, -1).view(torch.uint8)
-    return rows, rows.shape[1] // spec.num_blocks
+    row_bytes = (spec.block_size * spec.num_kv_heads * spec.head_dim
+                 * kv_cache.data.element_size())
+    return rows, row_bytes
 
 
 class ReferenceBlockHasher:
