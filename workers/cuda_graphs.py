@@ -18,7 +18,9 @@ all-reduce timing events are not recorded while capturing.
 
 Graphs are captured lazily, the first time a size is needed (the ranks of a group run the same
 plans, so they capture the same sizes in the same order), after a warm-up run of the same step on
-a side stream. They are dropped when the device block tables are reallocated (``version``).
+a side stream (one for all sizes). They are dropped, with their memory pool, when the device
+block tables are reallocated (``version``); the runner gives the tables a row for every sequence
+the scheduler may run, so that does not happen in normal use.
 Constructed with ``capture=False``, ``run`` executes the same static-buffer forward eagerly: how
 the padding and the static metadata are tested on CPU (under Triton's interpreter).
 """
@@ -77,6 +79,7 @@ class DecodeGraphs:
         self._none = torch.zeros(0, dtype=torch.int32, device=device)
         self._graphs: Dict[int, Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self._warmup_stream: Optional[torch.cuda.Stream] = None
         self._tables_version = tables.version
         self.num_runs = 0  # steps run through the static buffers (replayed or eager)
 
@@ -88,16 +91,23 @@ class DecodeGraphs:
         size = self.sizes[bisect.bisect_left(self.sizes, len(seqs))]
         self._stage(seqs, input_ids, size)
         self.num_runs += 1
+        if self.tables.version != self._tables_version:  # the graphs read a freed tensor
+            self._drop_graphs()
         if not self.capture:
             return self._forward(size)[:len(seqs)]
-        if self.tables.version != self._tables_version:  # the graphs read a freed tensor
-            self._graphs.clear()
-            self._tables_version = self.tables.version
         if size not in self._graphs:
             self._graphs[size] = self._capture(size)
         graph, hidden = self._graphs[size]
         graph.replay()
         return hidden[:len(seqs)]
+
+    def _drop_graphs(self) -> None:
+        """Forget every graph, and their memory pool with them: a pool outlives its last graph
+        (cuBLAS keeps a workspace in it), and capturing into it again then fails the caching
+        allocator's assertion that the pool is still in use."""
+        self._graphs.clear()
+        self._pool = None
+        self._tables_version = self.tables.version
 
     def _stage(self, seqs: Sequence[DeviceSeq], input_ids: Sequence[int], size: int) -> None:
         """One host-to-device copy of the step's ids, rows and cached lengths, padded."""
@@ -132,7 +142,9 @@ class DecodeGraphs:
     def _capture(self, size: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm-up on a side stream (compiles the kernels, sets up cuBLAS): it runs the staged
         # step itself, and the replay that follows writes the same K/V again.
-        stream = torch.cuda.Stream()
+        if self._warmup_stream is None:  # one for every size: cuBLAS keeps a workspace per
+            self._warmup_stream = torch.cuda.Stream()  # stream it ever ran on
+        stream = self._warmup_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self._forward(size)

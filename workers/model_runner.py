@@ -32,10 +32,13 @@ from workers.step_plan import NewSeqStep, StepPlan
 
 logger = logging.getLogger(__name__)
 
+MIN_TABLE_ROWS = 64
+
 
 class ModelRunner:
-    """``max_model_len`` sizes the device block tables; ``cuda_graphs`` asks for decode graphs
-    (used on CUDA with a backend that reads block tables, else refused in the log once)."""
+    """``max_model_len`` sizes the device block tables' columns and ``max_graph_batch`` (the
+    scheduler's ``max_num_seqs``) their rows; ``cuda_graphs`` asks for decode graphs (used on
+    CUDA with a backend that reads block tables, else refused in the log once)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
                  max_model_len: Optional[int] = None, cuda_graphs: bool = False,
@@ -50,7 +53,10 @@ class ModelRunner:
         self.graphs: Optional[DecodeGraphs] = None
         if model.attention.reads_block_tables:
             max_len = max_model_len or model.config.max_position_embeddings
+            # A row for every sequence the scheduler may run: a table that has to grow makes
+            # every decode graph be captured again.
             self.tables = DeviceBlockTables(-(-max_len // self.block_size), device,
+                                            num_rows=max(max_graph_batch, MIN_TABLE_ROWS),
                                             padding_block=kv_cache.scratch_block or 0)
             if cuda_graphs:
                 self.graphs = DecodeGraphs.create(model, kv_cache, self.tables, max_len,

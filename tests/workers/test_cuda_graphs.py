@@ -57,6 +57,30 @@ def test_padded_static_decodes_match_transformers(tiny_llama):
 
 
 @needs_triton
+def test_the_block_tables_have_a_row_for_every_sequence_the_scheduler_may_run(tiny_llama):
+    # A table that grows drops every decode graph (their captures read the old tensor).
+    with engine(tiny_llama, max_num_seqs=100) as llm:
+        tables = llm.engine.rank.runner.tables
+        assert tables.table.shape[0] - 1 >= 100 and tables.version == 0
+
+
+@needs_triton
+def test_graphs_dropped_for_a_grown_table_take_their_memory_pool_with_them(tiny_llama):
+    # Capturing into the pool of dropped graphs fails on CUDA (the pool outlives its graphs);
+    # the bookkeeping runs on CPU too, where nothing is captured.
+    with engine(tiny_llama, max_num_seqs=2) as llm:
+        runner = llm.engine.rank.runner
+        graphs = runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.tables,
+                                              max_model_len=256, max_batch=8, capture=False)
+        graphs._graphs[1], graphs._pool = "a captured graph", "its pool"
+        for seq_id in range(1000, 1000 + 70):  # more than the 64 rows a small table starts with
+            runner.tables.add(seq_id, [1])
+        assert runner.tables.version > 0
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
+        assert graphs.num_runs >= 1 and graphs._graphs == {} and graphs._pool is None
+
+
+@needs_triton
 def test_graphs_are_off_on_cpu_and_with_enforce_eager(tiny_llama, caplog):
     with caplog.at_level(logging.INFO, logger="workers.cuda_graphs"), engine(tiny_llama) as llm:
         assert llm.engine.rank.runner.graphs is None
