@@ -81,9 +81,10 @@ _SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Triton kernels over the block table. ``sdpa_fresh_prefills`` (default: on CUDA) runs the
-    prefills with nothing cached through ``scaled_dot_product_attention`` on their new K/V
-    (FlashAttention or cuDNN there), the rest through the paged kernels."""
+    """Triton kernels over the block table. ``sdpa_fresh_prefills`` (default: on CUDA in fp16 or
+    bf16, ``sdpa_for_fresh_prefills``) runs the prefills with nothing cached through
+    ``scaled_dot_product_attention`` on their new K/V (FlashAttention or cuDNN there), the rest
+    through the paged kernels."""
 
     name = "triton"
     reads_block_tables = True
@@ -118,8 +119,19 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _use_sdpa(self, query: torch.Tensor) -> bool:
         if self._sdpa_fresh_prefills is None:
-            return query.is_cuda and _SDPA_HAS_GQA
+            return sdpa_for_fresh_prefills(query.device.type, query.dtype)
         return self._sdpa_fresh_prefills
+
+
+# FlashAttention (and cuDNN's) take half precision only: an fp32 call with GQA falls to SDPA's
+# math backend, which builds the whole [H, L, L] score matrix (8.6 GB for 32 heads of a chunk of
+# 8,192 tokens); the paged prefill kernel attends fp32 by tiles.
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def sdpa_for_fresh_prefills(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether the Triton backend's default sends prefills with nothing cached to SDPA."""
+    return device_type == "cuda" and _SDPA_HAS_GQA and dtype in _FLASH_DTYPES
 
 
 def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

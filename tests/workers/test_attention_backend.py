@@ -16,7 +16,8 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kv.attention_backend import resolve_attention_backend  # noqa: E402
+from kv.attention_backend import (resolve_attention_backend,  # noqa: E402
+                                  sdpa_for_fresh_prefills)
 from tiny_models import build_checkpoint, hf_greedy  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.llm import LLM  # noqa: E402
@@ -57,6 +58,15 @@ def test_auto_is_torch_on_cpu_and_triton_on_cuda():
     assert resolve_attention_backend("auto", CUDA) == "triton"
     assert resolve_attention_backend("torch", CUDA) == "torch"
     assert resolve_attention_backend("triton", CPU) == "triton"  # TRITON_INTERPRET=1 here
+
+
+@pytest.mark.parametrize("device, dtype, expected", [
+    ("cuda", torch.bfloat16, True), ("cuda", torch.float16, True),
+    # fp32 has no FlashAttention: SDPA would take its math path and a [H, L, L] score matrix
+    ("cuda", torch.float32, False), ("cpu", torch.bfloat16, False), ("cpu", torch.float32, False),
+])
+def test_fresh_prefills_go_to_sdpa_on_cuda_in_half_precision_only(device, dtype, expected):
+    assert sdpa_for_fresh_prefills(device, dtype) is expected
 
 
 def test_bad_value_names_the_flag():
