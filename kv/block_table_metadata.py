@@ -133,6 +133,12 @@ class DeviceStep:
     metadata: List[BlockTableMetadata]
 
 
+# Every part starts a multiple of 4 int32s (16 bytes) into the copy: Triton specializes a kernel
+# on each pointer argument's 16-byte alignment, so slices at offsets that follow the batch's
+# sizes would compile the kernels again for new step shapes.
+_PART_ALIGN = 4
+
+
 class _Packed:
     """Host ints of a step, sent to the device in one copy and read back there as slices."""
 
@@ -144,9 +150,14 @@ class _Packed:
         return len(self._parts) - 1
 
     def send(self, device: torch.device) -> List[torch.Tensor]:
-        flat = [v for part in self._parts for v in part]
-        sent = tensor_on(flat, torch.int32, device)  # [sum of part lengths]
-        return list(sent.split([len(part) for part in self._parts]))
+        flat: List[int] = []
+        starts = []
+        for part in self._parts:
+            starts.append(len(flat))
+            flat.extend(part)
+            flat.extend([0] * (-len(flat) % _PART_ALIGN))
+        sent = tensor_on(flat, torch.int32, device)  # [parts, each padded to _PART_ALIGN]
+        return [sent[start:start + len(part)] for start, part in zip(starts, self._parts)]
 
 
 def build_device_step(

@@ -61,7 +61,10 @@ def _softmax_step(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION: tl.cons
     return m_new, l_i, acc
 
 
-@triton.jit
+# Ints that change with the step (the window's value, the split, the step's block-table width)
+# are not specialized on: Triton would otherwise compile a kernel again whenever one of them
+# turns 1 or a multiple of 16 (a second or two each, mid-traffic).
+@triton.jit(do_not_specialize=["window", "split_size", "num_splits", "stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, decode_ids_ptr, query_start_ptr,
     context_len_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
@@ -115,7 +118,7 @@ def _decode_split_kernel(
         tl.store(part_sum_ptr + part, l_i, mask=g_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_combine_kernel(
     part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, decode_ids_ptr, query_start_ptr,
     num_splits, stride_ot,
@@ -138,7 +141,7 @@ def _decode_combine_kernel(
              mask=offs_d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, prefill_ids_ptr, query_start_ptr,
     query_len_ptr, context_len_ptr, scale, window,

@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from kv.attention_metadata import SeqSlice
-from kv.block_table_metadata import DeviceSeq, build_block_table_metadata, build_device_step
+from kv.block_table_metadata import (DeviceSeq, _Packed, build_block_table_metadata,
+                                     build_device_step)
 from kv.device_block_tables import PADDING_ROW, DeviceBlockTables
 
 CPU = torch.device("cpu")
@@ -106,3 +107,15 @@ def test_device_step_equals_the_host_metadata(step):
             assert g.block_table[b, :visible].tolist() == w.block_table[b, :visible].tolist()
         assert g.positions.dtype == g.slot_mapping.dtype == torch.long
         assert g.block_table.dtype == g.context_len.dtype == torch.int32
+
+
+def test_packed_parts_come_back_equal_and_16_byte_aligned():
+    # Triton specializes kernels on each pointer's 16-byte alignment: a part at an offset that
+    # follows the batch size would compile them again for every new step shape.
+    packed = _Packed()
+    parts = [[3, 1, 4], [1], [], [5, 9, 2, 6, 5], list(range(8))]
+    for part in parts:
+        packed.add(part)
+    sent = packed.send(CPU)
+    assert [t.tolist() for t in sent] == parts
+    assert all(t.dtype == torch.int32 and t.data_ptr() % 16 == 0 for t in sent)
