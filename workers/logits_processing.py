@@ -14,6 +14,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
+from kv.host_staging import tensor_on
 from workers.sampling_params import SamplingParams
 
 History = Tuple[Sequence[int], Sequence[int]]  # (prompt token ids, output token ids)
@@ -23,24 +24,31 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                    histories: Sequence[History], eos_token_ids: Sequence[int]) -> torch.Tensor:
     """``logits`` ``[N, V]`` float, changed in place and returned."""
     _add_bias(logits, params)
+    device = logits.device
     rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rows:
         seen = _token_counts(logits, rows, [list(histories[i][0]) + list(histories[i][1])
                                             for i in rows]) > 0
         penalty = _row_values(logits, [params[i].repetition_penalty for i in rows])
-        scores = logits[rows]
+        index = tensor_on(rows, torch.long, device)
+        scores = logits.index_select(0, index)
         penalized = torch.where(scores > 0, scores / penalty, scores * penalty)
-        logits[rows] = torch.where(seen, penalized, scores)
+        logits.index_copy_(0, index, torch.where(seen, penalized, scores))
     rows = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
     if rows:
         counts = _token_counts(logits, rows, [histories[i][1] for i in rows])
         presence = _row_values(logits, [params[i].presence_penalty for i in rows])
         frequency = _row_values(logits, [params[i].frequency_penalty for i in rows])
-        logits[rows] -= frequency * counts + presence * (counts > 0)
-    for row, p in enumerate(params):
-        if len(histories[row][1]) < p.min_tokens:
-            held = [t for t in (*eos_token_ids, *p.stop_token_ids) if t < logits.shape[-1]]
-            logits[row, held] = float("-inf")
+        index = tensor_on(rows, torch.long, device)
+        logits.index_copy_(0, index, logits.index_select(0, index)
+                           - (frequency * counts + presence * (counts > 0)))
+    held = [(row, t) for row, p in enumerate(params) if len(histories[row][1]) < p.min_tokens
+            for t in (*eos_token_ids, *p.stop_token_ids) if t < logits.shape[-1]]
+    if held:
+        held_rows, held_ids = zip(*held)
+        logits.index_put_((tensor_on(held_rows, torch.long, device),
+                           tensor_on(held_ids, torch.long, device)),
+                          logits.new_full((len(held),), float("-inf")))
     return logits
 
 
@@ -55,14 +63,14 @@ def _add_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
             values.append(bias)
     if rows:
         device = logits.device
-        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-                          torch.tensor(values, device=device, dtype=logits.dtype),
-                          accumulate=True)
+        logits.index_put_((tensor_on(rows, torch.long, device),
+                           tensor_on(cols, torch.long, device)),
+                          tensor_on(values, logits.dtype, device), accumulate=True)
 
 
 def _row_values(logits: torch.Tensor, values: Sequence[float]) -> torch.Tensor:
     """``values`` as a ``[M, 1]`` column on the logits' device."""
-    return torch.tensor(values, device=logits.device, dtype=logits.dtype)[:, None]
+    return tensor_on(values, logits.dtype, logits.device)[:, None]
 
 
 def _token_counts(logits: torch.Tensor, rows: Sequence[int],

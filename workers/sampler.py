@@ -6,7 +6,8 @@
    top-k / top-p / min-p (one sort for the rows that need it) and drawn by an exponential race:
    ``argmax(p / q)`` with ``q ~ Exp(1)`` drawn from the row's own generator, which picks token i
    with probability ``p_i`` and keeps a seeded request's draws independent of its batch.
-3. One device-to-host copy of the sampled ids (and one of the logprobs, when asked for).
+3. One device-to-host copy of the sampled ids (and one of the logprobs, when asked for); the
+   per-row parameters go to the device through pinned memory, without a host sync.
 
 Cost: O(rows x vocabulary) on the logits' device, plus O(history) for rows with penalties.
 """
@@ -14,10 +15,11 @@ Cost: O(rows x vocabulary) on the logits' device, plus O(history) for rows with 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from kv.host_staging import tensor_on
 from workers.logits_processing import History, process_logits
 from workers.sampling_params import SamplingParams
 
@@ -45,7 +47,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     tokens = logits.argmax(dim=-1)  # [N]
     drawn_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if drawn_rows:
-        rows = torch.tensor(drawn_rows, device=logits.device)
+        rows = tensor_on(drawn_rows, torch.long, logits.device)
         drawn = _draw(logits[rows], [params[i] for i in drawn_rows],
                       [generators[i] for i in drawn_rows])
         tokens = tokens.index_copy(0, rows, drawn)
@@ -59,26 +61,41 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
           generators: Sequence[torch.Generator]) -> torch.Tensor:
     """Sampled ids ``[M]`` of rows ``logits`` ``[M, V]`` (temperatures > 0)."""
     device, vocab = logits.device, logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], device=device)
+    temperature = tensor_on([p.temperature for p in params], torch.float32, device)
     logits = logits / temperature[:, None]
     if any(p.top_k is not None or p.top_p < 1.0 for p in params):
         logits = _top_k_top_p(logits, params)
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device)
+        min_p = tensor_on([p.min_p for p in params], torch.float32, device)
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True),
                                     float("-inf"))
     probs = logits.softmax(-1)
-    race = torch.stack([torch.empty(vocab, device=device).exponential_(generator=g)
-                        for g in generators])
-    return (probs / race.clamp_min_(1e-20)).argmax(dim=-1)
+    return (probs / _race(generators, vocab, device).clamp_min_(1e-20)).argmax(dim=-1)
+
+
+def _race(generators: Sequence[torch.Generator], vocab: int,
+          device: torch.device) -> torch.Tensor:
+    """``[M, V]`` Exp(1) draws, row i from ``generators[i]``. Rows that share a generator (every
+    unseeded request shares the engine's) take one draw for all of them: one launch, not one per
+    row. A seeded row has a generator of its own and draws exactly its ``V`` values, so its
+    tokens do not depend on the rest of the batch."""
+    groups: Dict[int, Tuple[torch.Generator, List[int]]] = {}
+    for row, generator in enumerate(generators):
+        groups.setdefault(id(generator), (generator, []))[1].append(row)
+    rows: List[Optional[torch.Tensor]] = [None] * len(generators)
+    for generator, members in groups.values():
+        drawn = torch.empty(len(members), vocab, device=device).exponential_(generator=generator)
+        for row, values in zip(members, drawn):
+            rows[row] = values
+    return torch.stack(rows)  # type: ignore[arg-type]
 
 
 def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Mask (to -inf) each row's tokens outside its top-k and outside its top-p nucleus."""
     device, vocab = logits.device, logits.shape[-1]
-    top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
+    top_k = tensor_on([min(p.top_k or vocab, vocab) for p in params], torch.long, device)
+    top_p = tensor_on([p.top_p for p in params], torch.float32, device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [M, V]
     rank = torch.arange(vocab, device=device)
     sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))

@@ -61,6 +61,26 @@ def test_same_seed_same_tokens():
     assert draws(42) != draws(43)
 
 
+def test_a_shared_generator_draws_once_for_its_rows_and_a_seeded_row_alone():
+    # Unseeded rows share the engine's generator: one [k, V] draw for them all, not k launches.
+    # A seeded row draws its V values from its own generator, as it would alone in the batch.
+    from workers.sampler import _race
+
+    shared, seeded = gen(7), gen(99)
+    race = _race([shared, seeded, shared, shared], 50, torch.device("cpu"))
+    together = torch.empty(3, 50).exponential_(generator=gen(7))
+    alone = torch.empty(1, 50).exponential_(generator=gen(99))
+    assert torch.equal(race[[0, 2, 3]], together) and torch.equal(race[1], alone[0])
+
+
+def test_a_seeded_row_samples_the_same_token_whatever_the_batch():
+    logits = torch.randn(4, 300, generator=gen(3))
+    params = [SamplingParams(temperature=1.0)] * 4
+    alone = sample(logits[1:2], params[:1], [gen(1234)])[0].token_id
+    batch = sample(logits, params, [gen(1), gen(1234), gen(1), gen(2)])
+    assert batch[1].token_id == alone
+
+
 def test_logprobs_are_log_softmax_of_the_raw_logits():
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     out = sample(logits, [SamplingParams(temperature=0.0, logprobs=2)], [gen()])[0]
