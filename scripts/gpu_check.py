@@ -17,12 +17,12 @@ Sections, each in its own module and each reporting its own failure without stop
    exact, bf16 with its token mismatch rate.
 2. sampling (``gpu_check_parity``): temperature 1 with seeds, n=1 and n=3: reproducible, choice i
    from seed+i, the same alone and in a batch.
-3. triton_attention (``gpu_check_attention``): ``kv.triton_attention`` against the PyTorch paged
-   attention, max abs error; "not available" while that module does not exist.
-4. tier_copies (``gpu_check_tiers``): ``check_cuda_tiers.check_copies`` (pinned spill/restore
-   GB/s vs a plain ``copy_``, corruption caught) and the checksum's GB/s.
-5. throughput (``gpu_check_throughput``): a random Llama-3.2-1B-shaped model in bf16 on 64 Azure
+3. throughput (``gpu_check_throughput``): a random Llama-3.2-1B-shaped model in bf16 on 64 Azure
    code trace requests: output tok/s, ``ratio_vs_hf_generate``, ``roofline_frac``.
+4. triton_attention (``gpu_check_attention``): ``kv.triton_attention`` against the PyTorch paged
+   attention, max abs error; "not available" while that module does not exist.
+5. tier_copies (``gpu_check_tiers``): ``check_cuda_tiers.check_copies`` (pinned spill/restore
+   GB/s vs a plain ``copy_``, corruption caught) and the checksum's GB/s.
 
 Checkpoints are built on the spot (``gpu_check_models``). Prints a section per check and, last,
 one JSON object (``--json-out`` also writes it to a file). A skipped section is listed as such.
@@ -53,12 +53,13 @@ SECTIONS = (
      "greedy ids vs transformers (fp32 exact, bf16 drift), every backend and graph mode"),
     ("sampling", "gpu_check_parity", "check_sampling",
      "temperature 1 with seeds, n=1 and n=3: reproducible and batch-independent"),
+    # the headline figures before the longer checks, inside the time budget whatever they take
+    ("throughput", "gpu_check_throughput", "check_throughput",
+     "tpserve vs transformers generate, and vs the device's limit"),
     ("triton_attention", "gpu_check_attention", "check_triton_attention",
      "Triton paged attention vs the PyTorch reference"),
     ("tier_copies", "gpu_check_tiers", "check_tier_copies",
      "pinned spill/restore GB/s vs plain copy_, checksums"),
-    ("throughput", "gpu_check_throughput", "check_throughput",
-     "tpserve vs transformers generate, and vs the device's limit"),
 )
 SECTION_NAMES = tuple(s[0] for s in SECTIONS)
 
