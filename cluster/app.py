@@ -8,7 +8,7 @@ placement group fits beside the others (a 2-core host runs 2 groups of TP 2).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
 
 from ray import serve
@@ -152,6 +152,17 @@ def group_resources(config: ServeConfig, cluster: Dict[str, float]) -> GroupReso
     return GroupResources(cpus_per_rank=min(1.0, max(0.1, share)), gpus_per_rank=0.0)
 
 
+def rank_engine_config(engine: EngineConfig, resources: GroupResources,
+                       planned: Optional[PlannedPlacement]) -> EngineConfig:
+    """The engine config a group's ranks get. A rank that asks Ray for no GPU is shown every GPU
+    of its node (Ray sets ``CUDA_VISIBLE_DEVICES`` only for GPUs it assigns): with ``auto`` it
+    would choose CUDA, and every rank on the node ``cuda:0``. So where Serve places groups on
+    CPU shares (no GPU in the cluster when the app was built), ``auto`` means ``cpu``."""
+    if engine.device == "auto" and planned is None and resources.gpus_per_rank == 0:
+        return replace(engine, device="cpu")
+    return engine
+
+
 def planned_placement(config: ServeConfig, cluster: Dict[str, float],
                       resources: GroupResources) -> Optional[PlannedPlacement]:
     """The topology plan's placement, or None where Serve places the groups (see `placement`)."""
@@ -206,6 +217,7 @@ def build_app(config: ServeConfig, cluster: Dict[str, float]):
     engine = EngineConfig(**{**engine.__dict__, "model": str(model_dir)})
     resources = group_resources(config, cluster)
     planned = planned_placement(config, cluster, resources)
+    engine = rank_engine_config(engine, resources, planned)
     scaling: Dict = {"num_replicas": config.min_groups}
     if config.max_groups > config.min_groups:
         scaling = {"autoscaling_config": AutoscalingConfig(

@@ -65,3 +65,19 @@ def test_the_ingress_serves_the_context_the_engines_serve(tiny_llama):
     with pytest.raises(ValueError, match="--max-model-len 64 does not fit"):
         served_context_length(EngineConfig(model=str(tiny_llama), block_size=4,
                                            num_kv_blocks=8, max_model_len=64), model)
+
+
+def test_ranks_placed_on_cpu_shares_run_on_cpu_whatever_gpus_their_node_has():
+    # A rank that asks Ray for no GPU sees every GPU of its node: "auto" would take CUDA and put
+    # every rank of the node on cuda:0. Given a GPU (or a plan), the device stays as asked.
+    from cluster.app import group_resources, rank_engine_config
+
+    engine = EngineConfig(model="default")  # device "auto"
+    config = ServeConfig(engine=engine)
+    on_cpus = group_resources(config, {"CPU": 8.0})
+    assert on_cpus.gpus_per_rank == 0
+    assert rank_engine_config(engine, on_cpus, None).device == "cpu"
+    on_gpus = group_resources(config, {"CPU": 8.0, "GPU": 2.0})
+    assert rank_engine_config(engine, on_gpus, None).device == "auto"
+    cuda = EngineConfig(model="default", device="cuda")
+    assert rank_engine_config(cuda, on_cpus, None).device == "cuda"  # asked for: kept
