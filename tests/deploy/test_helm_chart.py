@@ -156,9 +156,15 @@ def test_default_values():
     assert {"serve": 8000, "serve-grpc": 9000, "metrics": 8080}.items() <= head_ports.items()
     worker = container(group["template"])
     assert {p["name"] for p in worker["ports"]} == {"serve", "serve-grpc", "metrics"}
+    # Started once its raylet is healthy: Serve runs a proxy only on nodes that host a replica,
+    # so a pod holding ranks alone (a multi-host group's second pod) never answers /health on
+    # 8000, and a startup probe there would restart it, and kill its group, every 20 minutes.
     startup = worker["startupProbe"]
-    assert startup["httpGet"] == {"path": "/health", "port": "serve"}
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 10 * 60  # model loading
+    assert "httpGet" not in startup and "local_raylet_healthz" in " ".join(
+        startup["exec"]["command"])
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 10 * 60  # image pulls
+    # Ready (in the Serve Service) once its proxy answers /health: a TP group serves there.
+    assert worker["readinessProbe"]["httpGet"] == {"path": "/health", "port": "serve"}
     volumes = {v["name"]: v for v in group["template"]["spec"]["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
     assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "tpserve-models"

@@ -115,16 +115,19 @@
 {{- end -}}
 
 {{/*
-Probes sized for model loading. Workers: ready once tpserve's /health answers 200 through the
-pod's Serve proxy (a TP group serves), with startupMinutes to get there. Head: ready once Ray's
-GCS is (the head serves no model).
+Workers: started once their raylet is healthy (the dashboard agent's local_raylet_healthz, as
+KubeRay's own probes check), within startupMinutes; ready, and in the Serve Service, once
+tpserve's /health answers 200 through the pod's Serve proxy (a TP group serves). Serve runs a
+proxy only on nodes hosting a replica: a pod holding ranks alone (a multi-host group's second
+pod) is never ready and never restarted for it. Head: ready once Ray's GCS is (it serves no
+model).
 */}}
 {{- define "tpserve.workerProbes" -}}
 {{- $p := .Values.probes -}}
+{{- $raylet := list "sh" "-c" "wget -q -T 5 -O- http://127.0.0.1:52365/api/local_raylet_healthz | grep -q success" -}}
 startupProbe:
-  httpGet:
-    path: /health
-    port: serve
+  exec:
+    command: {{ toJson $raylet }}
   periodSeconds: {{ int $p.periodSeconds }}
   failureThreshold: {{ div (mul (int $p.startupMinutes) 60) (int $p.periodSeconds) }}
 readinessProbe:
