@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
@@ -71,11 +71,11 @@ class GroupAllocator:
         self.refusals: Dict[str, Dict[str, Any]] = {}
 
     def claim(self, replica: str, handle: Any) -> PlannedClaim:
-        index = claim(len(self.groups), self.claims, replica)
+        index = claim(len(self.groups), self.claims, replica, self._on_lost_nodes())
         if index is None:
             self._take_back_dead()
             self._add_joined_nodes()
-            index = claim(len(self.groups), self.claims, replica)
+            index = claim(len(self.groups), self.claims, replica, self._on_lost_nodes())
         if index is None:
             message = beyond_plan_message(replica, self._current_plan(), self.claims)
             self.refusals[replica] = {"replica": replica, "time": time.time(),
@@ -121,6 +121,14 @@ class GroupAllocator:
     def _current_plan(self) -> PlacementPlan:
         return PlacementPlan(self.plan.tp_size, self.plan.device_kind, tuple(self.groups),
                              self.plan.left_out, self.plan.warnings)
+
+    def _on_lost_nodes(self) -> Set[int]:
+        """Planned groups with a rank on a node that is no longer alive (an autoscaler retired
+        it, a pod came back under a new node id): their placement group could never be ready,
+        so they are not handed out (a node that comes back alive makes them usable again)."""
+        alive = alive_nodes()
+        return {index for index, group in enumerate(self.groups)
+                if any(rank.node not in alive for rank in group.ranks)}
 
     def _take_back_dead(self, timeout_s: float = 2.0) -> None:
         """Release the groups of replicas whose actor died (a replica that answers late is

@@ -2,7 +2,8 @@
 `tpserve status` shows: pure functions of plain inputs (no Ray), used by the allocator actor
 (`cluster.group_allocator`) and the status command.
 
-    claim(plan_size, claims, replica)   -> the replica's group index, or None (the plan is full)
+    claim(plan_size, claims, replica, unavailable)
+                                        -> the replica's group index, or None (the plan is full)
     compute_device(engine, plan_kind)   -> "cuda" or "cpu": explicit, never guessed from torch
     status_report(...)                  -> the JSON of `tpserve status`
 """
@@ -10,7 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence
 
 from parallel.grouping import DeviceKind, PlacementPlan
 
@@ -24,13 +25,16 @@ class Claim:
     since: float
 
 
-def claim(plan_size: int, claims: Mapping[int, Claim], replica: str) -> Optional[int]:
-    """The group `replica` holds already, else the first planned group nobody holds; None when
-    every one of the `plan_size` groups is held (a replica beyond the plan)."""
+def claim(plan_size: int, claims: Mapping[int, Claim], replica: str,
+          unavailable: AbstractSet[int] = frozenset()) -> Optional[int]:
+    """The group `replica` holds already, else the first planned group nobody holds and not
+    `unavailable` (a rank's node has left the cluster); None when there is none (a replica
+    beyond the plan)."""
     for index, held in claims.items():
         if held.replica == replica:
             return index
-    return next((index for index in range(plan_size) if index not in claims), None)
+    return next((index for index in range(plan_size)
+                 if index not in claims and index not in unavailable), None)
 
 
 def beyond_plan_message(replica: str, plan: PlacementPlan, claims: Mapping[int, Claim]) -> str:

@@ -45,6 +45,14 @@ def test_claims_go_in_plan_order_and_come_back():
     assert claim(2, claims, "r3") == 0
 
 
+def test_a_group_on_a_node_that_left_is_never_handed_out():
+    # Its placement group could never be ready: each replica would claim it, time out and
+    # fail, and the next replica claim the same group again.
+    assert claim(3, {}, "r1", unavailable={0}) == 1
+    assert claim(3, {1: Claim(1, "r1", 0.0)}, "r2", unavailable={0, 2}) is None
+    assert claim(3, {}, "r1", unavailable=set()) == 0
+
+
 def test_beyond_plan_message_names_replica_and_holders():
     plan = _plan()
     message = beyond_plan_message("r3", plan, {0: Claim(0, "r1", 0), 1: Claim(1, "r2", 0)})
