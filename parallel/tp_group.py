@@ -67,6 +67,8 @@ class TPGroup:
     device: torch.device
     cpu_group: Optional[dist.ProcessGroup] = None
     device_group: Optional[dist.ProcessGroup] = None
+    # gloo, waiting up to RENDEZVOUS_S: for startup, when ranks may be minutes apart
+    startup_group: Optional[dist.ProcessGroup] = None
     all_reduce_latency: LatencyRecorder = field(default_factory=LatencyRecorder)
     all_reduce_timing_interval: int = 64  # on CUDA, time one all-reduce in this many
     num_collective_errors: int = 0  # collectives of this rank that raised
@@ -82,6 +84,14 @@ class TPGroup:
     @property
     def is_first(self) -> bool:
         return self.rank == 0
+
+    def wait_for_all_ranks(self) -> None:
+        """Return once every rank of the group has got here, waiting up to ``RENDEZVOUS_S``.
+        Ranks finish loading their shards (and registering a host tier, creating a disk tier)
+        minutes apart on large models; the step collectives that follow wait only a step's
+        timeout, so a rank that started them early would give up on the others."""
+        if self.startup_group is not None:
+            dist.barrier(group=self.startup_group)
 
     @contextlib.contextmanager
     def counting_errors(self) -> Iterator[None]:
@@ -153,7 +163,9 @@ def init_tp_group(config: TPGroupConfig, device: torch.device) -> TPGroup:
     ranks = list(range(config.world_size))
     device_group = dist.new_group(ranks, backend=backend, timeout=timeout)
     cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+    startup_group = dist.new_group(ranks, backend="gloo",
+                                   timeout=max(timeout, timedelta(seconds=RENDEZVOUS_S)))
     logger.info("rank %d/%d joined (%s device group)", config.rank, config.world_size, backend)
     return TPGroup(config.rank, config.world_size, device, cpu_group, device_group,
-                   all_reduce_timing_interval=config.all_reduce_timing_interval)
+                   startup_group, all_reduce_timing_interval=config.all_reduce_timing_interval)
 

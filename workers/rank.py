@@ -97,9 +97,12 @@ def build_rank(config: RankConfig) -> Rank:
                          config.max_num_seqs)
     tiers = None
     if config.tiers is not None:
-        # A transfer may keep a step waiting as long as a collective may, and no longer.
-        tiers = build_rank_tiers(config.tiers, kv_cache, tp.rank, tp.cpu_group,
+        # A transfer may keep a step waiting as long as a collective may, and no longer. The
+        # ranks agree on the disk tier's blocks while starting: over the startup group.
+        tiers = build_rank_tiers(config.tiers, kv_cache, tp.rank,
+                                 tp.startup_group or tp.cpu_group,
                                  wait_timeout_s=config.group.timeout_s)
+    tp.wait_for_all_ranks()  # from here on the ranks wait for each other a step's timeout
     logger.info("rank %d/%d ready on %s (pid %d, %d linears through oneDNN)", tp.rank,
                 tp.world_size, device, os.getpid(), num_packed)
     return Rank(tp, model_config, runner, tiers)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -216,3 +218,33 @@ def test_gloo_group_records_every_all_reduce():
     for p in procs:
         p.join(30)
     assert rows == [(0, 5, True, 0), (1, 5, True, 0)]
+
+
+def _late_rank(rank, world, init_method, delay_s, results):
+    # A step's collectives wait 1 s; rank 1 finishes "loading" 3 s after rank 0.
+    tp = init_tp_group(TPGroupConfig(rank, world, init_method, timeout_s=1.0),
+                       torch.device("cpu"))
+    if rank == 1:
+        time.sleep(delay_s)
+    try:
+        tp.wait_for_all_ranks()
+        tp.all_reduce(torch.ones(4))  # the first step: the ranks now start it together
+        results.put((rank, "ok"))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+    finally:
+        tp.destroy()
+
+
+@pytest.mark.multiproc
+def test_ranks_that_finish_loading_apart_wait_for_each_other_past_the_step_timeout():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init = free_tcp_init_method()
+    procs = [ctx.Process(target=_late_rank, args=(r, 2, init, 3.0, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = sorted(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert rows == [(0, "ok"), (1, "ok")]
