@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
@@ -115,6 +115,11 @@ class GroupAllocator:
                            for c in sorted(self.claims.values(), key=lambda c: c.group)],
                 "refusals": list(self.refusals.values())}
 
+    def config_in_use(self) -> Tuple[FormationConfig, int]:
+        """The configuration it plans for, and how many live replicas hold its groups."""
+        self._take_back_dead()
+        return self.config, len(self.claims)
+
     def placement_groups_held(self) -> List[PlacementGroup]:
         return list(self.placement_groups.values())
 
@@ -169,13 +174,46 @@ class GroupAllocator:
 GroupAllocatorActor = ray.remote(GroupAllocator)
 
 
+class AllocatorConfigError(RuntimeError):
+    """The cluster's allocator plans for another configuration, and replicas still hold it."""
+
+
 def get_group_allocator(config: Optional[FormationConfig] = None):
-    """The cluster's allocator; created (detached, no CPU) with `config` when it does not exist."""
+    """The cluster's allocator; created (detached, no CPU) with `config` when it does not exist.
+
+    The allocator outlives applications (it is detached), so one deployed again with another
+    formation (another TP size, say) finds the old one. With no live replica holding its groups
+    it is replaced; else `AllocatorConfigError` says which configuration holds the cluster."""
     if config is None:
         return ray.get_actor(ALLOCATOR_NAME, namespace=ALLOCATOR_NAMESPACE)
+    handle = _allocator(config)
+    current, num_held = ray.get(handle.config_in_use.remote(), timeout=120)
+    if current == config:
+        return handle
+    if num_held:
+        raise AllocatorConfigError(
+            f"the cluster's planned placement was made for {current} and {num_held} live "
+            f"replica(s) still hold its groups; this deployment asks for {config}. Delete the "
+            f"application that holds them (serve delete), then deploy again")
+    logger.warning("replacing the group allocator planned for %s (no replica holds it) with "
+                   "one for %s", current, config)
+    if _same_actor(handle):  # else another replica replaced it meanwhile
+        kill_group_allocator()
+    return get_group_allocator(config)
+
+
+def _allocator(config: FormationConfig):
     return GroupAllocatorActor.options(
         name=ALLOCATOR_NAME, namespace=ALLOCATOR_NAMESPACE, get_if_exists=True,
         lifetime="detached", num_cpus=0).remote(config)
+
+
+def _same_actor(handle) -> bool:
+    try:
+        named = ray.get_actor(ALLOCATOR_NAME, namespace=ALLOCATOR_NAMESPACE)
+    except ValueError:
+        return False
+    return named._actor_id == handle._actor_id
 
 
 def kill_group_allocator() -> None:

@@ -1,0 +1,48 @@
+"""The cluster's group allocator, a detached actor that outlives applications, met by a
+deployment with another formation: replaced when no live replica holds its groups, refused by
+name while one does (on a local Ray)."""
+
+import pytest
+import ray
+
+from cluster.formation import FormationConfig
+from cluster.group_allocator import (AllocatorConfigError, get_group_allocator,
+                                     kill_group_allocator)
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        kill_group_allocator()
+        ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class Replica:
+    """Stands for a serving replica: the allocator only checks that its actor is alive."""
+
+    def ping(self) -> int:
+        return 1
+
+
+def test_an_allocator_for_another_formation_is_replaced_once_nothing_holds_it(local_ray):
+    tp1 = FormationConfig(tp_size=1, cpus_per_rank=0.5)
+    tp2 = FormationConfig(tp_size=2, cpus_per_rank=0.5)
+    first = get_group_allocator(tp1)
+    assert ray.get(first.config_in_use.remote()) == (tp1, 0)
+    assert get_group_allocator(tp1)._actor_id == first._actor_id  # the same formation: kept
+    replica = Replica.remote()
+    ray.get(first.claim.remote("replica-1", replica))
+    # Before: the old allocator answered with 1-rank groups, and a 2-rank group's rank 1
+    # asked its placement group for a bundle it does not have.
+    with pytest.raises(AllocatorConfigError, match="1 live replica"):
+        get_group_allocator(tp2)
+    ray.kill(replica)  # the old application's replica is gone
+    second = get_group_allocator(tp2)
+    assert ray.get(second.config_in_use.remote()) == (tp2, 0)
+    assert len(ray.get(second.claim.remote("replica-2", Replica.remote())).group.ranks) == 2
