@@ -108,7 +108,16 @@ def gpu_budget(nodes: Mapping[NodeName, dict]) -> dict[NodeName, int]:
 
 def plan_placement(topologies: Mapping[NodeName, NodeTopology], config: FormationConfig,
                    budget: Optional[Mapping[NodeName, int]] = None) -> PlacementPlan:
-    """The plan over `topologies`, each node's GPUs capped at `budget` (None: no cap)."""
+    """The plan over `topologies`, each node's GPUs capped at `budget` (None: no cap). A node
+    where Ray counts GPUs but the probe saw none is refused by name: planning it as a CPU node
+    would run a GPU cluster's ranks on CPU without a word."""
+    blind = sorted(f"{name} ({budget[name]} GPU(s))" for name, topology in topologies.items()
+                   if budget and budget.get(name, 0) > 0 and not topology.gpus)
+    if blind:
+        raise ValueError(
+            f"Ray counts GPUs on node(s) {', '.join(blind)} but the topology probe found none "
+            f"there: install nvidia-ml-py in the image or put nvidia-smi on the PATH of Ray's "
+            f"workers (a CPU plan for GPU nodes is not made)")
     plan = plan_groups(topologies.values(), config.tp_size, config.num_groups,
                        cpu_ranks_per_node=config.cpu_ranks_per_node, gpu_budget=budget)
     for line in plan.explanation():

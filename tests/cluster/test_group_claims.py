@@ -123,3 +123,15 @@ def test_placement_choice_follows_the_cluster():
     assert len(options["placement_group_bundles"]) == 2
     with pytest.raises(ValueError, match="--placement must be"):
         ServeConfig(engine=config.engine, placement="random")
+
+
+def test_a_node_where_ray_counts_gpus_the_probe_did_not_see_is_refused_by_name():
+    # The probe's tools were missing (no nvidia-ml-py, nvidia-smi off the PATH): a CPU plan
+    # would run the GPU cluster's ranks on CPU without a word.
+    from cluster.formation import FormationConfig, plan_placement
+
+    blind = NodeTopology(NodeName("gpu-node"), num_cpu_cores=8)
+    with pytest.raises(ValueError, match=r"Ray counts GPUs on node\(s\) gpu-node \(4 GPU"):
+        plan_placement({blind.name: blind}, FormationConfig(tp_size=2), {blind.name: 4})
+    plan = plan_placement({blind.name: blind}, FormationConfig(tp_size=2), {blind.name: 0})
+    assert plan.device_kind is DeviceKind.CPU and len(plan.groups) == 4
