@@ -63,14 +63,31 @@ class Rank:
             self.tiers = None
 
 
-def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
-    """``auto``: fp32 on CPU (no fast bf16 there), the checkpoint's dtype on CUDA."""
-    if name == "auto":
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str,
+                  bf16_supported: Optional[bool] = None) -> torch.dtype:
+    """``auto``: fp32 on CPU (no fast bf16 there), the checkpoint's dtype on CUDA, but float16
+    for a bfloat16 checkpoint on a GPU without bfloat16 (before compute capability 8.0: T4,
+    V100), as vLLM does; bfloat16 asked for there is refused by name. ``bf16_supported``: the
+    device's answer (None: asked of torch)."""
+    auto = name == "auto"
+    if auto:
         name = "float32" if device.type == "cpu" else checkpoint_dtype
     dtype = getattr(torch, name.replace("torch.", ""), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype {name!r} is not a torch floating dtype "
                          f"(float32, bfloat16, float16 or auto)")
+    if dtype is torch.bfloat16 and device.type == "cuda":
+        if bf16_supported is None:
+            try:
+                bf16_supported = torch.cuda.is_bf16_supported(including_emulation=False)
+            except TypeError:  # torch before the argument
+                bf16_supported = torch.cuda.is_bf16_supported()
+        if not bf16_supported:
+            if not auto:
+                raise ValueError("dtype bfloat16: this GPU has no bfloat16 (compute capability "
+                                 "8.0 or later needed); use float16 or auto")
+            logger.warning("the checkpoint is bfloat16 and this GPU has none: running float16")
+            return torch.float16
     return dtype
 
 

@@ -57,3 +57,4 @@ def test_q_and_k_rotated_together_equal_transformers(heads, kv_heads):
     assert torch.equal(ours_q, hf_q[0].transpose(0, 1))
     assert torch.equal(ours_k, hf_k[0].transpose(0, 1))
     assert all(torch.equal(a, b) for a, b in zip(rotary(positions, q, k), (ours_q, ours_k)))
+
