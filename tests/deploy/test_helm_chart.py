@@ -167,6 +167,13 @@ def test_default_values():
     assert worker["readinessProbe"]["httpGet"] == {"path": "/health", "port": "serve"}
     volumes = {v["name"]: v for v in group["template"]["spec"]["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+    # Ray's object store fits in /dev/shm (Ray's default, 30% of the pod's memory, would not,
+    # and Ray would put it on disk); the head's too.
+    head_shm = {v["name"]: v for v in head["template"]["spec"]["volumes"]}["dshm"]
+    for params, shm in ((group["rayStartParams"], volumes["dshm"]),
+                        (head["rayStartParams"], head_shm)):
+        size_gib = int(shm["emptyDir"]["sizeLimit"].removesuffix("Gi"))
+        assert 0 < int(params["object-store-memory"]) < size_gib << 30
     assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "tpserve-models"
     assert {m["mountPath"] for m in worker["volumeMounts"]} >= {"/dev/shm", "/models"}
     assert {d["kind"] for d in docs} == {"RayService", "Secret"}  # monitoring is opt-in
