@@ -30,10 +30,13 @@ RankLauncher = Callable[[List[RankConfig]], RankHandles]
 
 
 def free_tcp_init_method(host: str = "127.0.0.1") -> str:
-    """A ``tcp://host:port`` on a port that is free now (rank 0 listens on it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A ``tcp://host:port`` on a port that is free now (rank 0 listens on it); an IPv6 host
+    goes in brackets (``tcp://[fd00::1]:port``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        return f"tcp://{host}:{sock.getsockname()[1]}"
+        port = sock.getsockname()[1]
+    return f"tcp://[{host}]:{port}" if family == socket.AF_INET6 else f"tcp://{host}:{port}"
 
 
 def _rank_main(config: RankConfig, conn) -> None:
