@@ -206,18 +206,24 @@ def _gloo_all_reduces(rank, world, init_method, results):
     tp.destroy()
 
 
-@pytest.mark.multiproc
-def test_gloo_group_records_every_all_reduce():
+def run_two_ranks(target, *args) -> list:
+    """``target(rank, 2, init_method, *args, results)`` in two spawned processes; what they put
+    in ``results``, sorted."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init = free_tcp_init_method()
-    procs = [ctx.Process(target=_gloo_all_reduces, args=(r, 2, init, results)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, 2, init, *args, results)) for r in range(2)]
     for p in procs:
         p.start()
     rows = sorted(results.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(30)
-    assert rows == [(0, 5, True, 0), (1, 5, True, 0)]
+    return rows
+
+
+@pytest.mark.multiproc
+def test_gloo_group_records_every_all_reduce():
+    assert run_two_ranks(_gloo_all_reduces) == [(0, 5, True, 0), (1, 5, True, 0)]
 
 
 def _late_rank(rank, world, init_method, delay_s, results):
@@ -238,13 +244,4 @@ def _late_rank(rank, world, init_method, delay_s, results):
 
 @pytest.mark.multiproc
 def test_ranks_that_finish_loading_apart_wait_for_each_other_past_the_step_timeout():
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init = free_tcp_init_method()
-    procs = [ctx.Process(target=_late_rank, args=(r, 2, init, 3.0, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    rows = sorted(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
-    assert rows == [(0, "ok"), (1, "ok")]
+    assert run_two_ranks(_late_rank, 3.0) == [(0, "ok"), (1, "ok")]
