@@ -62,18 +62,48 @@ def probe_gpus() -> tuple[GpuTopology, Optional[str]]:
     fixture = os.environ.get(NVSMI_FILE_ENV)
     if fixture:
         return parse_nvidia_smi_topo(_read_file(fixture, NVSMI_FILE_ENV)), f"file:{fixture}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # the raylet's, which the probe inherits
     topology = probe_nvml()
     if topology is not None:
-        return _with_nvidia_smi_nics(topology), "nvml"
+        return restrict_to_visible(_with_nvidia_smi_nics(topology), visible), "nvml"
     run = _run_tool(["nvidia-smi", "topo", "-m"])
     if run is not None:
         text, failed = run
         try:
             topology = parse_nvidia_smi_topo(text)
-            return dataclasses.replace(topology, warnings=topology.warnings + failed), "nvidia-smi"
+            topology = dataclasses.replace(topology, warnings=topology.warnings + failed)
+            return restrict_to_visible(topology, visible), "nvidia-smi"
         except ValueError as exc:
             logger.warning("nvidia-smi topo -m printed what cannot be read, no GPUs used: %s", exc)
     return GpuTopology(), None
+
+
+def restrict_to_visible(topology: GpuTopology, visible: Optional[str]) -> GpuTopology:
+    """``topology`` without the GPUs outside ``visible`` (``CUDA_VISIBLE_DEVICES`` as the node's
+    raylet was started with: its GPUs are those, other GPUs of the host may be another node's
+    or another tenant's), each with a warning. NVML and nvidia-smi see every GPU of the host.
+    Unset or empty (Ray's zero-GPU override) restricts nothing; UUIDs or MIG ids, which the
+    probe cannot match, restrict nothing and say so."""
+    entries = [e.strip() for e in (visible or "").split(",") if e.strip()]
+    if not entries:
+        return topology
+    if not all(e.isdigit() for e in entries):
+        return dataclasses.replace(topology, warnings=topology.warnings + (
+            f"CUDA_VISIBLE_DEVICES={visible} names GPUs by UUID or MIG id, which the probe "
+            f"cannot match: every GPU it found is planned",))
+    allowed = {int(e) for e in entries}
+    keep = [i for i, gpu in enumerate(topology.gpus) if gpu.index in allowed]
+    if len(keep) == len(topology.gpus):
+        return topology
+    dropped = [int(gpu.index) for gpu in topology.gpus if gpu.index not in allowed]
+    return GpuTopology(
+        gpus=tuple(topology.gpus[i] for i in keep),
+        links=tuple(tuple(topology.links[i][j] for j in keep) for i in keep),
+        nics=tuple(dataclasses.replace(nic, gpu_links=tuple(nic.gpu_links[i] for i in keep))
+                   for nic in topology.nics),
+        warnings=topology.warnings + (
+            f"GPU(s) {dropped} are outside this node's CUDA_VISIBLE_DEVICES={visible}: not "
+            f"planned",))
 
 
 def _with_nvidia_smi_nics(topology: GpuTopology) -> GpuTopology:
