@@ -7,6 +7,7 @@ placement group fits beside the others (a 2-core host runs 2 groups of TP 2).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
@@ -38,6 +39,8 @@ ROUTERS = ("kv", "kv_strict", "kv_queue", "kv_headroom", "pow2", "prefix_affinit
 QUEUE_VARIANT_WEIGHT = 2.0  # llm-d's queue scorer's weight beside prefix 3 and KV usage 2
 
 
+logger = logging.getLogger(__name__)
+
 @dataclass(frozen=True)
 class ServeConfig:
     engine: EngineConfig
@@ -56,7 +59,7 @@ class ServeConfig:
     router: str = "kv"
     max_migrations: int = 3  # re-sends of a request whose group failed while serving it
     # "plan": the topology plan places each group (cluster.group_allocator); "serve": Serve does;
-    # "auto": the plan on clusters with GPUs, Serve on CPU-only ones.
+    # "auto": the plan for a fixed number of groups on clusters with GPUs, else Serve.
     placement: str = "auto"
     cpu_ranks_per_node: Optional[int] = None  # CPU plans: rank slots per node (None: its cores)
     # --groups MIN:MAX: KV usage averaged over the look-back window; Serve holds a decision this
@@ -165,11 +168,21 @@ def rank_engine_config(engine: EngineConfig, resources: GroupResources,
 
 def planned_placement(config: ServeConfig, cluster: Dict[str, float],
                       resources: GroupResources) -> Optional[PlannedPlacement]:
-    """The topology plan's placement, or None where Serve places the groups (see `placement`)."""
-    use_plan = config.placement == "plan" or (config.placement == "auto"
+    """The topology plan's placement, or None where Serve places the groups (see `placement`).
+    ``auto`` plans a fixed number of groups on a GPU cluster; an autoscaled deployment (MIN <
+    MAX) is placed by Serve: a planned replica asks Ray for no resources, so once the plan is
+    full no demand reaches the autoscaler and no node is ever added, while Serve's placement
+    groups are demand it sees."""
+    autoscaled = config.max_groups > config.min_groups
+    use_plan = config.placement == "plan" or (config.placement == "auto" and not autoscaled
                                               and cluster.get("GPU", 0) > 0)
     if not use_plan:
         return None
+    if autoscaled:
+        logger.warning("--placement plan with --groups %d:%d: planned groups grow only onto "
+                       "nodes already in the cluster or joining it; Ray's autoscaler does not "
+                       "see their demand (--placement auto leaves autoscaled groups to Serve)",
+                       config.min_groups, config.max_groups)
     return PlannedPlacement(FormationConfig(
         tp_size=config.engine.tp_size, cpus_per_rank=resources.cpus_per_rank,
         cpu_ranks_per_node=config.cpu_ranks_per_node))

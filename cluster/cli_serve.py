@@ -47,7 +47,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "while serving it (the stream continues; 0: fail it)")
     parser.add_argument("--placement", choices=("auto", "plan", "serve"), default="auto",
                         help="who places each TP group: the topology plan (probes every node) "
-                             "or Serve; auto: the plan on GPU clusters (default)")
+                             "or Serve; auto: the plan on GPU clusters for a fixed --groups N, "
+                             "Serve for --groups MIN:MAX (its placement groups are demand "
+                             "Ray's autoscaler sees) (default)")
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="requests each ingress lets wait for a busy TP group; beyond "
                              "them 429 with Retry-After (default: one more round of the "

@@ -125,6 +125,19 @@ def test_placement_choice_follows_the_cluster():
         ServeConfig(engine=config.engine, placement="random")
 
 
+def test_an_autoscaled_deployment_is_placed_by_serve_where_the_autoscaler_sees_it():
+    # A planned replica asks Ray for nothing: with the plan full, no demand reaches the
+    # autoscaler and no GPU node is ever added. Serve's placement groups are demand it sees.
+    gpu = {"CPU": 16.0, "GPU": 8.0}
+    engine = EngineConfig(model="default", tp_size=2)
+    autoscaled = ServeConfig(engine=engine, min_groups=1, max_groups=4)
+    assert planned_placement(autoscaled, gpu, group_resources(autoscaled, gpu)) is None
+    fixed = ServeConfig(engine=engine, min_groups=4, max_groups=4)
+    assert planned_placement(fixed, gpu, group_resources(fixed, gpu)) is not None
+    forced = ServeConfig(engine=engine, min_groups=1, max_groups=4, placement="plan")
+    assert planned_placement(forced, gpu, group_resources(forced, gpu)) is not None
+
+
 def test_a_node_where_ray_counts_gpus_the_probe_did_not_see_is_refused_by_name():
     # The probe's tools were missing (no nvidia-ml-py, nvidia-smi off the PATH): a CPU plan
     # would run the GPU cluster's ranks on CPU without a word.
