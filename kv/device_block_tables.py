@@ -25,12 +25,14 @@ import torch
 from kv.host_staging import to_device
 
 PADDING_ROW = 0
+DEFAULT_NUM_ROWS = 64  # sequences before the table first grows
 
 
 class DeviceBlockTables:
     """Block tables of the running sequences on ``device``; ``flush`` sends the staged diffs."""
 
-    def __init__(self, max_blocks_per_seq: int, device: torch.device, num_rows: int = 64,
+    def __init__(self, max_blocks_per_seq: int, device: torch.device,
+                 num_rows: int = DEFAULT_NUM_ROWS,
                  padding_block: int = 0) -> None:
         if max_blocks_per_seq < 1 or num_rows < 1:
             raise ValueError(f"a block table needs at least one column and row, got "

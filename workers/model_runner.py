@@ -23,7 +23,7 @@ import torch
 
 from kv.attention_metadata import SeqSlice
 from kv.block_table_metadata import DeviceSeq, build_device_step
-from kv.device_block_tables import DeviceBlockTables
+from kv.device_block_tables import DEFAULT_NUM_ROWS, DeviceBlockTables
 from kv.host_staging import tensor_on
 from kv.kv_cache import KVCache
 from workers.cuda_graphs import DecodeGraphs
@@ -31,8 +31,6 @@ from workers.models.llama import LlamaForCausalLM
 from workers.step_plan import NewSeqStep, StepPlan
 
 logger = logging.getLogger(__name__)
-
-MIN_TABLE_ROWS = 64
 
 
 class ModelRunner:
@@ -56,7 +54,7 @@ class ModelRunner:
             # A row for every sequence the scheduler may run: a table that has to grow makes
             # every decode graph be captured again.
             self.tables = DeviceBlockTables(-(-max_len // self.block_size), device,
-                                            num_rows=max(max_graph_batch, MIN_TABLE_ROWS),
+                                            num_rows=max(max_graph_batch, DEFAULT_NUM_ROWS),
                                             padding_block=kv_cache.scratch_block or 0)
             if cuda_graphs:
                 self.graphs = DecodeGraphs.create(model, kv_cache, self.tables, max_len,

@@ -120,11 +120,11 @@ def test_a_fault_left_for_the_teardown_is_the_sections_error_and_the_run_goes_on
 
 
 def test_the_summary_is_printed_even_when_the_runner_fails(monkeypatch, gpu_check, capsys):
-    def broken(ctx, args, started, header, reports):
-        reports.append(gpu_check_common_report("greedy_parity"))
-        raise OSError("no space left on device")
+    from gpu_check_common import Report
 
-    from gpu_check_common import Report as gpu_check_common_report
+    def broken(ctx, args, started, header, reports):
+        reports.append(Report("greedy_parity"))
+        raise OSError("no space left on device")
 
     monkeypatch.setattr(gpu_check, "run_sections", broken)
     assert gpu_check.main(["--device", "cpu", "--quick"]) == 1

@@ -44,14 +44,13 @@ class RMSNorm(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
-                 rotary: RotaryEmbedding, attention: AttentionBackend) -> None:
+                 attention: AttentionBackend) -> None:
         super().__init__()
         self.attention = attention
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_heads,
                                           config.num_kv_heads, config.qkv_bias, tp, dtype)
         self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size,
                                         config.o_bias, tp, dtype)
-        self.rotary = rotary
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         q_size, k_size, _ = self.qkv_proj.local_sizes
@@ -60,14 +59,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, metadata: StepMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        """``rope``: the step's cos/sin tables (`RotaryEmbedding.tables`), else looked up here."""
+                rope: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``rope``: the step's cos/sin tables (`RotaryEmbedding.tables`)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H_local + 2 Hkv_local) * D]: q, k, v side by side
-        if rope is None:
-            rope = self.rotary.tables(metadata.positions)
         # q and k rotated in one pass: [T, H_local + Hkv_local, D]
-        qk = self.rotary.rotate(qkv[:, :self.qk_size].view(num_tokens, -1, self.head_dim), rope)
+        qk = RotaryEmbedding.rotate(qkv[:, :self.qk_size].view(num_tokens, -1, self.head_dim),
+                                    rope)
         q, k = qk[:, :self.num_q_heads], qk[:, self.num_q_heads:]
         v = qkv[:, self.qk_size:].view(num_tokens, -1, self.head_dim)
         # Writes k/v into the cache, then attends: [T, H_local*D]
@@ -90,17 +88,17 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
-                 rotary: RotaryEmbedding, attention: AttentionBackend) -> None:
+                 attention: AttentionBackend) -> None:
         super().__init__()
         eps, device = config.rms_norm_eps, tp.device
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.self_attn = LlamaAttention(config, tp, dtype, rotary, attention)
+        self.self_attn = LlamaAttention(config, tp, dtype, attention)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.mlp = LlamaMLP(config, tp, dtype)
 
     def forward(self, hidden: torch.Tensor, metadata: StepMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
-                rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                rope: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), metadata, k_cache, v_cache,
                                          rope)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -111,10 +109,9 @@ class LlamaModel(nn.Module):
                  max_positions: int, attention: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
-        self.rotary = rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype,
-                                               tp.device)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, tp.device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp, dtype, rotary, attention)
+            LlamaDecoderLayer(config, tp, dtype, attention)
             for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, tp.device)
 

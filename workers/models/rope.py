@@ -42,7 +42,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables; ``forward`` rotates q ``[T, H, D]`` and k ``[T, Hkv, D]``."""
+    """Precomputed cos/sin tables: ``tables`` looks up a step's positions once, ``rotate`` turns
+    q ``[T, H, D]`` and k ``[T, Hkv, D]`` (or both side by side) by them."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -64,7 +65,3 @@ class RotaryEmbedding(nn.Module):
         same elementwise expression as for each alone, so the same bits)."""
         cos, sin = tables
         return x * cos + _rotate_half(x) * sin
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        tables = self.tables(positions)
-        return self.rotate(q, tables), self.rotate(k, tables)
