@@ -31,9 +31,18 @@ MAX_NEW = 10
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free on every address of this host, as Serve binds its gRPC proxy (``[::]``): one
+    free on 127.0.0.1 alone may be held on the node's own address (Ray's workers listen there
+    on random ports), and Serve's bind then fails."""
+    try:
+        with socket.socket(socket.AF_INET6) as sock:  # dual-stack: IPv4 addresses too
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind(("::", 0))
+            return sock.getsockname()[1]
+    except OSError:  # no IPv6 here
+        with socket.socket() as sock:
+            sock.bind(("0.0.0.0", 0))
+            return sock.getsockname()[1]
 
 
 def serve_app(model_dir, port, engine_kwargs=None, grpc_port=0, **config):
