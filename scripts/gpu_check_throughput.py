@@ -107,7 +107,8 @@ def run_engine(ctx: CheckContext, plan: ThroughputPlan, model_dir: Path,
     warm = [list(range(3, 3 + n)) for n in (min(300, plan.max_model_len // 2), 20)]
     # ``rehearsal``: the same lengths with other token ids (no prefix-cache hit), so every step
     # shape of the timed run (batch sizes, chunks, split counts) is seen once before it, and
-    # Triton's compiles and the decode graphs' captures, made at first use, fall outside it.
+    # Triton's compiles, made at first use, fall outside it (the decode graphs are captured
+    # while the engine starts).
     try:
         with LLM(config) as llm:
             llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))

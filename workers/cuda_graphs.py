@@ -16,11 +16,15 @@ decode kernel's split count is fixed per size from the longest context the model
 launch never depends on the step. The all-reduces of a TP group are captured too (NCCL); the
 all-reduce timing events are not recorded while capturing.
 
-Graphs are captured lazily, the first time a size is needed (the ranks of a group run the same
-plans, so they capture the same sizes in the same order), after a warm-up run of the same step on
-a side stream (one for all sizes). They are dropped, with their memory pool, when the device
-block tables are reallocated (``version``); the runner gives the tables a row for every sequence
-the scheduler may run, so that does not happen in normal use.
+Every size is captured while the rank starts (`capture_all`, as vLLM and SGLang do), largest
+first so that the smaller graphs reuse its pool's memory, each after a warm-up run of the same
+step on a side stream (one for all sizes). The start-up batches are padding rows alone, which
+write into the scratch block only. A capture in the middle of traffic would hold up the step that
+first needs a size (tens of milliseconds of warm-up and capture for a real model). The ranks of a
+group capture the same sizes in the same order, so the all-reduces inside match. Graphs are
+dropped, with their memory pool, when the device block tables are reallocated (``version``) and
+captured again when next needed; the runner gives the tables a row for every sequence the
+scheduler may run, so that does not happen in normal use.
 Constructed with ``capture=False``, ``run`` executes the same static-buffer forward eagerly: how
 the padding and the static metadata are tested on CPU (under Triton's interpreter).
 """
@@ -101,6 +105,19 @@ class DecodeGraphs:
         graph.replay()
         return hidden[:len(seqs)]
 
+    def capture_all(self) -> List[int]:
+        """Capture the graph of every size now, largest first, from batches of padding rows
+        (they write into the scratch block alone: no real block changes). Returns the sizes in
+        the order run. Without ``capture`` each size's forward runs once, eagerly."""
+        order = sorted(self.sizes, reverse=True)
+        for size in order:
+            self._stage((), (), size)
+            if not self.capture:
+                self._forward(size)
+            elif size not in self._graphs:
+                self._graphs[size] = self._capture(size)
+        return order
+
     def _drop_graphs(self) -> None:
         """Forget every graph, and their memory pool with them: a pool outlives its last graph
         (cuBLAS keeps a workspace in it), and capturing into it again then fails the caching
@@ -154,5 +171,5 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             hidden = self._forward(size)
         self._pool = graph.pool()
-        logger.info("captured the decode graph for %d sequences", size)
+        logger.debug("captured the decode graph for %d sequences", size)
         return graph, hidden

@@ -17,6 +17,7 @@ Two ways to build a step's inputs, chosen by the backend:
 from __future__ import annotations
 
 import logging
+import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -62,6 +63,23 @@ class ModelRunner:
         elif cuda_graphs and device.type == "cuda":
             logger.info("CUDA graphs need the triton attention backend; the %s backend runs "
                         "eager", model.attention.name)
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> List[int]:
+        """Capture every decode graph now (the rank is starting: no step waits for it); the
+        sizes captured, largest first ([] without graphs)."""
+        if self.graphs is None:
+            return []
+        cuda = self.device.type == "cuda"
+        reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
+        start = time.perf_counter()
+        sizes = self.graphs.capture_all()
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        logger.info("captured %d decode graphs (up to %d sequences) in %.1f s, %.2f GiB",
+                    len(sizes), max(sizes), time.perf_counter() - start,
+                    ((torch.cuda.memory_reserved(self.device) if cuda else 0) - reserved) / 2**30)
+        return sizes
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> Optional[torch.Tensor]:

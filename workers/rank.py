@@ -112,6 +112,9 @@ def build_rank(config: RankConfig) -> Rank:
     kv_cache = KVCache(spec, device, with_scratch_block=attention.reads_block_tables)
     runner = ModelRunner(model, kv_cache, device, config.max_model_len, config.cuda_graphs,
                          config.max_num_seqs)
+    if runner.graphs is not None:  # before the tiers' copy thread starts
+        tp.wait_for_all_ranks()  # the captures' all-reduces wait only a step's timeout
+        runner.capture_graphs()
     tiers = None
     if config.tiers is not None:
         # A transfer may keep a step waiting as long as a collective may, and no longer. The

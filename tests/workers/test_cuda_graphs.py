@@ -13,6 +13,7 @@ import importlib.util  # noqa: E402
 import logging  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from tiny_models import hf_greedy  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
@@ -108,3 +109,43 @@ def test_enforce_eager_reaches_the_engine_config(command):
     parser = build_parser()
     assert engine_config(parser.parse_args(command + ["--enforce-eager"])).enforce_eager is True
     assert engine_config(parser.parse_args(command)).enforce_eager is False
+
+
+@needs_triton
+def test_capturing_every_size_at_start_writes_only_the_scratch_block(tiny_llama):
+    """The start-up batches are padding rows alone: run with real K/V in the pool, they leave
+    every real block as it was, and generation afterwards still equals ``transformers``."""
+    reference = hf_greedy(tiny_llama, PROMPTS[:2], MAX_NEW)
+    with engine(tiny_llama) as llm:
+        runner = llm.engine.rank.runner
+        runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.tables,
+                                     max_model_len=256, max_batch=8, capture=False)
+        data = runner.kv_cache.data
+        data.normal_()
+        before = data.clone()
+        assert runner.capture_graphs() == [8, 4, 2, 1]
+        scratch = slice(96 * 4, 97 * 4)  # block 96 of 4-token blocks: the slots after the pool
+        assert torch.equal(data[:, :, :scratch.start], before[:, :, :scratch.start])
+        assert not torch.equal(data[:, :, scratch], before[:, :, scratch])
+        assert runner.graphs.num_runs == 0  # no step has run yet
+        data.zero_()
+        outputs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    assert [out.output_token_ids for out in outputs] == reference
+
+
+@needs_triton
+def test_a_rank_captures_its_graphs_while_starting(tiny_llama, monkeypatch):
+    # On CPU DecodeGraphs.create declines; here it returns the eager stand-in, so that the
+    # start-up path itself runs: every size once, largest first, before the first request.
+    captured = []
+    real_capture_all = DecodeGraphs.capture_all
+    monkeypatch.setattr(DecodeGraphs, "create", classmethod(
+        lambda cls, model, kv, tables, max_len, max_batch:
+        cls(model, kv, tables, max_len, max_batch, capture=False)))
+    monkeypatch.setattr(DecodeGraphs, "capture_all",
+                        lambda self: captured.append(real_capture_all(self)) or captured[-1])
+    with engine(tiny_llama, max_num_seqs=6) as llm:
+        assert captured == [[6, 4, 2, 1]]
+        assert llm.engine.rank.runner.graphs.num_runs == 0
+    with engine(tiny_llama, max_num_seqs=6, enforce_eager=True):
+        assert captured == [[6, 4, 2, 1]]  # no graphs asked for: nothing captured
