@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.latency import LatencyRecorder, SampledEventTimer
+from parallel.rendezvous import listening_store
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +39,16 @@ RENDEZVOUS_S = 600.0  # how long the first rank waits for the others to start an
 
 @dataclass(frozen=True)
 class TPGroupConfig:
-    """How a rank joins its group: ``init_method`` is a ``tcp://host:port`` that rank 0 listens on."""
+    """How a rank joins its group: ``init_method`` is a ``tcp://host:port`` that rank 0 listens on;
+    ``listen_fd``, rank 0's socket already listening there (a `RendezvousSocket`'s, in rank 0's
+    own process), or None for rank 0 to bind the port itself."""
 
     rank: int
     world_size: int
     init_method: Optional[str] = None
     timeout_s: float = 600.0  # every collective of the group (the engine sets its step timeout)
     all_reduce_timing_interval: int = 64  # on CUDA, time one all-reduce in this many
+    listen_fd: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.all_reduce_timing_interval < 1:
@@ -56,6 +60,9 @@ class TPGroupConfig:
             raise ValueError(f"rank {self.rank} outside a group of {self.world_size}")
         if self.world_size > 1 and not self.init_method:
             raise ValueError("a group larger than 1 needs an init_method (tcp://host:port)")
+        if self.listen_fd is not None and (self.rank != 0 or self.world_size == 1):
+            raise ValueError(f"listen_fd is rank 0's socket in a group of 2 or more, not rank "
+                             f"{self.rank}'s of {self.world_size}")
 
 
 @dataclass
@@ -156,15 +163,20 @@ def init_tp_group(config: TPGroupConfig, device: torch.device) -> TPGroup:
         torch.cuda.set_device(device)
     # The rendezvous waits for ranks still starting (a process, its imports): not a step. The
     # groups every collective runs on use ``timeout_s``.
-    dist.init_process_group(
-        backend=backend, init_method=config.init_method, rank=config.rank,
-        world_size=config.world_size, timeout=max(timeout, timedelta(seconds=RENDEZVOUS_S)),
-    )
+    rendezvous_timeout = max(timeout, timedelta(seconds=RENDEZVOUS_S))
+    if config.listen_fd is not None:
+        store = listening_store(config.init_method, config.listen_fd, config.world_size,
+                                rendezvous_timeout)
+        dist.init_process_group(backend=backend, store=store, rank=0,
+                                world_size=config.world_size, timeout=rendezvous_timeout)
+    else:
+        dist.init_process_group(backend=backend, init_method=config.init_method,
+                                rank=config.rank, world_size=config.world_size,
+                                timeout=rendezvous_timeout)
     ranks = list(range(config.world_size))
     device_group = dist.new_group(ranks, backend=backend, timeout=timeout)
     cpu_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
-    startup_group = dist.new_group(ranks, backend="gloo",
-                                   timeout=max(timeout, timedelta(seconds=RENDEZVOUS_S)))
+    startup_group = dist.new_group(ranks, backend="gloo", timeout=rendezvous_timeout)
     logger.info("rank %d/%d joined (%s device group)", config.rank, config.world_size, backend)
     return TPGroup(config.rank, config.world_size, device, cpu_group, device_group,
                    startup_group, all_reduce_timing_interval=config.all_reduce_timing_interval)

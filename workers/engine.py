@@ -20,12 +20,13 @@ import torch
 from kv.attention_backend import resolve_attention_backend
 from kv.kv_manager import KVUsage
 from kv.tier_ops import TierOp, TierOpResults
+from parallel.rendezvous import RendezvousSocket
 from parallel.tp_group import TPGroupConfig
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_sizing import (block_spec, check_model, context_length, default_num_blocks,
                                    fit_context_to_pool)
-from workers.multiproc import RankLauncher, RankProcesses, free_tcp_init_method
+from workers.multiproc import RankLauncher, RankProcesses
 from workers.rank import RankConfig, build_rank, execute_plan, resolve_dtype
 from workers.request import FinishReason, Request, RequestId
 from workers.sampler import SampledToken, sample
@@ -86,16 +87,21 @@ class LLMEngine:
         """``launcher`` starts ranks 1..N-1 from their configs (local processes by default; the
         serving layer passes Ray actors); ``init_host`` is the address rank 0 listens on."""
         self.config = config
-        self._init_host = init_host
         self._disk_lock = None  # this engine's claim on a directory under --disk-kv-dir
         self.model_dir, self.model_config = check_model(config)  # before any rank starts
         self.tokenizer = load_tokenizer(self.model_dir)
         # Fitted to the KV pool by _rank_configs.
         self.max_model_len = context_length(config, self.model_config)
+        # Rank 0 listens from now on: the port cannot be taken while the other ranks start.
+        self._rendezvous = RendezvousSocket(init_host) if config.tp_size > 1 else None
         rank_configs = self._rank_configs()
         self.num_kv_blocks = rank_configs[0].num_kv_blocks
-        self._children = launcher(rank_configs[1:]) if config.tp_size > 1 else None
-        self.rank = build_rank(rank_configs[0])
+        try:
+            self._children = launcher(rank_configs[1:]) if config.tp_size > 1 else None
+            self.rank = build_rank(rank_configs[0])
+        finally:
+            if self._rendezvous is not None:
+                self._rendezvous.close()  # rank 0's store has its own descriptor
         if self._children is not None:
             self._children.wait_ready()
         self._tier_config = rank_configs[0].tiers
@@ -129,13 +135,15 @@ class LLMEngine:
         num_blocks = cfg.num_kv_blocks or default_num_blocks(cfg, model, dtype,
                                                              self.max_model_len)
         self.max_model_len = fit_context_to_pool(cfg, self.max_model_len, num_blocks)
-        init = free_tcp_init_method(self._init_host) if cfg.tp_size > 1 else None
+        init = self._rendezvous.init_method if self._rendezvous is not None else None
         threads = None if use_cuda else max(1, (torch.get_num_threads()) // cfg.tp_size)
         dtype_name = str(dtype).replace("torch.", "")
         tiers = self._rank_tier_config(dtype, dtype_name)
         return [
             RankConfig(str(self.model_dir),
-                       TPGroupConfig(rank, cfg.tp_size, init, timeout_s=cfg.step_timeout_s),
+                       TPGroupConfig(rank, cfg.tp_size, init, timeout_s=cfg.step_timeout_s,
+                                     listen_fd=(self._rendezvous.fileno()
+                                                if rank == 0 and self._rendezvous else None)),
                        f"cuda:{rank}" if use_cuda else "cpu", dtype_name,
                        num_blocks, cfg.block_size, self.max_model_len, threads, tiers,
                        attention_backend=attention, cuda_graphs=not cfg.enforce_eager,
