@@ -22,6 +22,7 @@ from ray.serve.config import (
 
 from cluster.admission import group_max_ongoing_requests, ingress_max_in_flight
 from cluster.autoscaling import KVLoadPolicy
+from cluster.cli_serve import PLACEMENT_STRATEGIES
 from cluster.formation import FormationConfig
 from cluster.group_deployment import GroupResources, PlannedPlacement, TPGroupServer
 from cluster.ingress import build_ingress
@@ -50,7 +51,9 @@ class ServeConfig:
     api_key: Optional[str] = None
     served_model_name: Optional[str] = None
     routing_stats_period_s: float = 0.5
-    placement_strategy: str = "PACK"  # of each group's ranks: PACK, SPREAD, STRICT_PACK/SPREAD
+    # How Serve places each group's ranks (Ray's placement group strategy; --placement serve).
+    # None: PACK, as Ray Serve LLM (one node where one has room, else spilling to others).
+    placement_strategy: Optional[str] = None
     # "kv": tpserve's KV-aware router ("kv_strict": with its former prefix-first order;
     # "kv_queue": with the pending-tokens score at weight QUEUE_VARIANT_WEIGHT; "kv_headroom":
     # its load score relative to the target rather than to the busiest group);
@@ -79,6 +82,8 @@ class ServeConfig:
                              f"{self.min_groups}:{self.max_groups}")
         if self.placement not in ("auto", "plan", "serve"):
             raise ValueError(f"--placement must be auto, plan or serve, got {self.placement!r}")
+        if self.placement_strategy is not None:
+            check_placement_strategy(self.placement_strategy, self.placement)
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
         if self.max_migrations < 0:
@@ -86,6 +91,15 @@ class ServeConfig:
         if not 0.0 < self.kv_target_occupancy <= 1.0:
             raise ValueError(f"--kv-target-occupancy must be in (0, 1], got "
                              f"{self.kv_target_occupancy}")
+
+
+def check_placement_strategy(strategy: str, placement: str) -> None:
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise ValueError(f"--placement-strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, "
+                         f"got {strategy!r}")
+    if placement == "plan":
+        raise ValueError("--placement-strategy places the ranks of groups Serve places; "
+                         "--placement plan places them itself (by the topology probes)")
 
 
 def check_limits(config: ServeConfig) -> None:
@@ -178,6 +192,11 @@ def planned_placement(config: ServeConfig, cluster: Dict[str, float],
                                               and cluster.get("GPU", 0) > 0)
     if not use_plan:
         return None
+    if config.placement_strategy is not None:  # placement auto: a fixed --groups N on GPUs
+        raise ValueError(f"--placement-strategy {config.placement_strategy}: --placement auto "
+                         f"chose the topology plan (a GPU cluster, a fixed --groups "
+                         f"{config.min_groups}), which places the ranks itself; add --placement "
+                         f"serve for Serve to place them by the strategy")
     if autoscaled:
         logger.warning("--placement plan with --groups %d:%d: planned groups grow only onto "
                        "nodes already in the cluster or joining it; Ray's autoscaler does not "
@@ -244,7 +263,8 @@ def build_app(config: ServeConfig, cluster: Dict[str, float]):
     per_group, queued, limits = request_limits(config)
     groups = serve.deployment(TPGroupServer).options(
         name="TPGroup",
-        **group_placement_options(resources, engine.tp_size, config.placement_strategy, planned),
+        **group_placement_options(resources, engine.tp_size,
+                                  config.placement_strategy or "PACK", planned),
         max_ongoing_requests=per_group,
         max_queued_requests=queued,
         backpressure_config=BackpressureConfig(status_code=429,

@@ -15,6 +15,9 @@ from cluster.cli_generate import add_engine_arguments, engine_config
 
 logger = logging.getLogger(__name__)
 
+# Ray's placement group strategies, for --placement-strategy (here: the CLI imports no Ray).
+PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="serve a model with an OpenAI-compatible API")
@@ -50,6 +53,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "or Serve; auto: the plan on GPU clusters for a fixed --groups N, "
                              "Serve for --groups MIN:MAX (its placement groups are demand "
                              "Ray's autoscaler sees) (default)")
+    parser.add_argument("--placement-strategy", default=None, choices=PLACEMENT_STRATEGIES,
+                        help="how Serve places a group's ranks (Ray's placement group "
+                             "strategy), where Serve places the groups: PACK (default, as Ray "
+                             "Serve LLM: one node where one has room, else across nodes), "
+                             "STRICT_PACK (one node, or wait), SPREAD, STRICT_SPREAD")
     parser.add_argument("--max-queued-requests", type=int, default=None,
                         help="requests each ingress lets wait for a busy TP group; beyond "
                              "them 429 with Retry-After (default: one more round of the "

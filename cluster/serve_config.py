@@ -152,6 +152,7 @@ def serve_config_from(values: argparse.Namespace, engine: EngineConfig,
                        kv_target_occupancy=values.kv_target_occupancy, api_key=api_key,
                        served_model_name=values.served_model_name,
                        max_migrations=values.max_migrations, placement=values.placement,
+                       placement_strategy=values.placement_strategy,
                        max_queued_requests=values.max_queued_requests,
                        max_request_body_mb=values.max_request_body_mb,
                        request_timeout_s=values.request_timeout_s)

@@ -148,3 +148,25 @@ def test_a_node_where_ray_counts_gpus_the_probe_did_not_see_is_refused_by_name()
         plan_placement({blind.name: blind}, FormationConfig(tp_size=2), {blind.name: 4})
     plan = plan_placement({blind.name: blind}, FormationConfig(tp_size=2), {blind.name: 0})
     assert plan.device_kind is DeviceKind.CPU and len(plan.groups) == 4
+
+
+def test_the_placement_strategy_of_serve_placed_groups_is_an_option():
+    # It was a field no option reached: every Serve-placed group PACKed, free to span nodes.
+    gpu = {"CPU": 16.0, "GPU": 8.0}
+    engine = EngineConfig(model="default", tp_size=2)
+    strict = ServeConfig(engine=engine, min_groups=1, max_groups=4,
+                         placement_strategy="STRICT_PACK")
+    resources = group_resources(strict, gpu)
+    assert planned_placement(strict, gpu, resources) is None
+    options = group_placement_options(resources, 2, strict.placement_strategy, None)
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    with pytest.raises(ValueError, match="--placement-strategy must be one of PACK, "
+                                         "STRICT_PACK, SPREAD, STRICT_SPREAD, got 'pack'"):
+        ServeConfig(engine=engine, placement_strategy="pack")
+    with pytest.raises(ValueError, match="--placement-strategy places the ranks of groups "
+                                         "Serve places; --placement plan places them itself"):
+        ServeConfig(engine=engine, placement="plan", placement_strategy="SPREAD")
+    # auto chooses the plan for a fixed number of groups on GPUs: a strategy there is refused
+    fixed = ServeConfig(engine=engine, min_groups=2, max_groups=2, placement_strategy="SPREAD")
+    with pytest.raises(ValueError, match="--placement auto chose the topology plan"):
+        planned_placement(fixed, gpu, group_resources(fixed, gpu))

@@ -123,3 +123,11 @@ def test_the_tpserve_console_script_takes_config(tmp_path):
     result = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--help"],
                             capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode == 0 and "--config" in result.stdout
+
+
+def test_the_placement_strategy_is_an_arg_and_an_option():
+    config = serve_config_from_args({"placement_strategy": "STRICT_PACK"}, {})
+    assert config.placement_strategy == "STRICT_PACK"
+    assert serve_config_from_args({}, {}).placement_strategy is None  # PACK, as Serve LLM
+    with pytest.raises(ValueError, match="args.placement_strategy: expected one of PACK"):
+        serve_config_from_args({"placement_strategy": "pack"}, {})
