@@ -96,8 +96,8 @@ def probe_cluster(timeout_s: float = 60.0, skip: frozenset = frozenset()
         node_id, soft=False)).remote(node_id, node["NodeManagerAddress"])
         for node_id, node in nodes.items()]
     topologies = ray.get(refs, timeout=timeout_s)
-    logger.info("probed %d node(s): %s", len(topologies),
-                {t.name: (len(t.gpus), len(t.active_ib_ports())) for t in topologies})
+    logger.info("probed %d node(s) (GPUs, fabric, its active ports): %s", len(topologies),
+                {t.name: (len(t.gpus), t.fabric()[0], len(t.fabric()[1])) for t in topologies})
     return {topology.name: topology for topology in topologies}
 
 

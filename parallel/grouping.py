@@ -8,9 +8,10 @@ The rules, in the order they decide:
    then GPUs under one PCIe switch (PIX, PXB), one host bridge (PHB), one NUMA node (NODE), and
    SYS last. Each group's GPUs all share a link of that class or better (a clique, not a chain).
 3. When TP exceeds every node, a group spans nodes with the same number of ranks on each. GPU
-   nodes take part only if their active InfiniBand ports all run at one rate, and only with nodes
-   of the same rate and the same number of healthy GPUs (a node that lost a GPU is not mixed in).
-   CPU-only clusters span over TCP (gloo), so the IB rule does not apply to them.
+   nodes take part only over RDMA: InfiniBand, or RoCE on nodes without an active IB port
+   (`NodeTopology.fabric`), every active port of that fabric at one rate, and only with nodes of
+   the same fabric, the same rate and the same number of healthy GPUs (a node that lost a GPU is
+   not mixed in). CPU-only clusters span over TCP (gloo), so the fabric rule does not apply.
 
 Every usable device ends up either in a group or in `left_out` with the reason.
 """
@@ -56,7 +57,7 @@ class PlannedGroup:
     ranks: tuple[RankPlacement, ...]
     device_kind: DeviceKind
     link: Optional[LinkClass]  # weakest link between two ranks on one node; None if there is none
-    fabric_gbps: Optional[float]  # IB rate between its nodes when it spans GPU nodes
+    fabric_gbps: Optional[float]  # RDMA rate between its nodes when it spans GPU nodes
     reason: str
 
     @property
@@ -294,48 +295,50 @@ def _within_nodes(hosts: list[_Host], tp_size: int, largest: int
     return groups, left_out
 
 
-def _fabric(host: _Host) -> tuple[Optional[float], Optional[str]]:
-    """The node's IB rate for spanning groups, or the reason it cannot span."""
+def _fabric(host: _Host) -> tuple[str, Optional[float], Optional[str]]:
+    """The node's RDMA fabric ("IB", "RoCE") and rate for spanning groups, or the reason it
+    cannot span ("TCP (gloo)" for CPU nodes, with no rate)."""
     if host.kind is DeviceKind.CPU:
-        return None, None
-    active = host.topology.active_ib_ports()
+        return "TCP (gloo)", None, None
+    fabric, active = host.topology.fabric()
     if not active:
-        inactive = len([port for port in host.topology.ib_ports if port.is_infiniband])
-        state = f" ({inactive} IB port(s) down or inactive)" if inactive else ""
-        return None, (f"no active InfiniBand port{state}: cannot take part in a group spanning "
-                      "nodes")
+        inactive = len(host.topology.ib_ports)
+        state = f" ({inactive} RDMA port(s) down or inactive)" if inactive else ""
+        return "", None, (f"no active InfiniBand or RoCE port{state}: cannot take part in a "
+                          "group spanning nodes")
     rates = sorted({port.rate_gbps for port in active})
     if len(rates) > 1:
         listed = ", ".join(f"{rate:g}" for rate in rates)
-        return None, (f"active InfiniBand ports at mixed rates ({listed} Gb/s): the slowest "
-                      "would pace every all-reduce")
-    return rates[0], None
+        return fabric, None, (f"active {fabric} ports at mixed rates ({listed} Gb/s): the "
+                              "slowest would pace every all-reduce")
+    return fabric, rates[0], None
 
 
 def _across_nodes(hosts: list[_Host], tp_size: int) -> tuple[list[PlannedGroup], list[LeftOut]]:
     left_out = []
-    classes: dict[tuple[float, int], list[_Host]] = defaultdict(list)
+    # Faster fabrics first, and IB before RoCE at one rate.
+    classes: dict[tuple[float, int, bool, str], list[_Host]] = defaultdict(list)
     for host in hosts:
-        rate, why_not = _fabric(host)
+        fabric, rate, why_not = _fabric(host)
         if why_not:
             left_out.append(LeftOut(host.name, host.devices, why_not))
         else:
-            classes[(rate or 0.0, len(host.devices))].append(host)
+            classes[(rate or 0.0, len(host.devices), fabric == "IB", fabric)].append(host)
     groups = []
-    for (rate, _), members in sorted(classes.items(), reverse=True):
-        more_groups, more_left = _symmetric_groups(members, tp_size, rate or None)
+    for (rate, _, _, fabric), members in sorted(classes.items(), reverse=True):
+        more_groups, more_left = _symmetric_groups(members, tp_size, fabric, rate or None)
         groups += more_groups
         left_out += more_left
     return groups, left_out
 
 
-def _symmetric_groups(members: list[_Host], tp_size: int, rate: Optional[float]
-                      ) -> tuple[list[PlannedGroup], list[LeftOut]]:
-    """Groups over nodes of one kind (device count, IB rate), the same ranks on each node."""
+def _symmetric_groups(members: list[_Host], tp_size: int, fabric_name: str,
+                      rate: Optional[float]) -> tuple[list[PlannedGroup], list[LeftOut]]:
+    """Groups over nodes of one kind (device count, fabric and rate), the same ranks on each."""
     num_devices = len(members[0].devices)
     per_node = max(d for d in range(1, num_devices + 1) if tp_size % d == 0)
     num_nodes = tp_size // per_node
-    fabric = f"IB at {rate:g} Gb/s" if rate else "TCP (gloo)"
+    fabric = f"{fabric_name} at {rate:g} Gb/s" if rate else fabric_name
     too_few = (f"TP {tp_size} needs {num_nodes} nodes like this one ({num_devices} usable "
                f"{members[0].kind.unit}, {fabric}) with {per_node} rank(s) on each")
     if len(members) < num_nodes:

@@ -1,5 +1,5 @@
-"""The environment a planned rank runs with: its one visible GPU, the InfiniBand HCAs nearest
-its GPUs for groups that span nodes, and the socket interface of its node. Pure functions of the
+"""The environment a planned rank runs with: its one visible GPU, the RDMA HCAs (InfiniBand or
+RoCE) nearest its GPUs for groups that span nodes, and the socket interface of its node. Pure functions of the
 plan and the node's topology."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from parallel.topology import NodeTopology
 
 
 def nearest_hcas(node: NodeTopology, gpu_indices: Iterable[int]) -> list[str]:
-    """`device:port` of the active IB ports nearest the given GPUs (by the NICs' link classes in
-    the topology matrix); every active IB port when the matrix does not name the HCAs."""
-    active = node.active_ib_ports()
+    """`device:port` of the node's fabric ports (`NodeTopology.fabric`: IB, else RoCE) nearest
+    the given GPUs (by the NICs' link classes in the topology matrix); every one of them when the
+    matrix does not name the HCAs."""
+    _, active = node.fabric()
     nics = [nic for nic in node.nics if nic.name in {port.device for port in active}]
     chosen = {port.device for port in active}
     if nics:

@@ -177,8 +177,19 @@ class NodeTopology:
         return self.gpu_topology.nics
 
     def active_ib_ports(self) -> tuple[IBPort, ...]:
-        """Ports that can carry a spanning group: InfiniBand link layer, ACTIVE and LinkUp."""
+        """Active ports of InfiniBand link layer (ACTIVE and LinkUp)."""
         return tuple(port for port in self.ib_ports if port.is_infiniband and port.is_active)
+
+    def fabric(self) -> tuple[str, tuple[IBPort, ...]]:
+        """The RDMA fabric a group spanning nodes uses here and its active ports: InfiniBand
+        ("IB") where the node has an active IB port, else RoCE (active ports of Ethernet link
+        layer, which NCCL's IB transport drives too); ("", ()) with neither. A node with both
+        keeps to IB: its RoCE port is then usually the front-end or storage network."""
+        infiniband = self.active_ib_ports()
+        if infiniband:
+            return "IB", infiniband
+        roce = tuple(port for port in self.ib_ports if port.is_active)
+        return ("RoCE", roce) if roce else ("", ())
 
     def to_dict(self) -> dict:
         """The JSON shape of `tpserve topology parse/probe`."""

@@ -90,7 +90,7 @@ def test_plan_without_a_valid_grouping_fails_clearly():
                    "--tp", "4", "--json")
     assert done.returncode == 2 and done.stdout == ""
     assert "no valid grouping of TP 4" in done.stderr
-    assert "b [0, 1]: no active InfiniBand port" in done.stderr
+    assert "b [0, 1]: no active InfiniBand or RoCE port" in done.stderr
 
 
 @pytest.mark.parametrize("args, words", [

@@ -40,18 +40,20 @@ def gpu_topology(num_gpus: int, link: Callable[[int, int], str],
     )
 
 
-def ib_ports(rates: Sequence[float], down: Sequence[int] = ()) -> tuple[IBPort, ...]:
+def ib_ports(rates: Sequence[float], down: Sequence[int] = (),
+             link_layer: str = "InfiniBand") -> tuple[IBPort, ...]:
     return tuple(IBPort(f"mlx5_{k}", 1, "DOWN" if k in down else "ACTIVE",
-                        "Disabled" if k in down else "LinkUp", rate, "InfiniBand")
+                        "Disabled" if k in down else "LinkUp", rate, link_layer)
                  for k, rate in enumerate(rates))
 
 
 def node(name: str, topology: GpuTopology, rates: Sequence[float] = (400.0,) * 8,
-         down: Sequence[int] = (), unhealthy: Sequence[int] = ()) -> NodeTopology:
+         down: Sequence[int] = (), unhealthy: Sequence[int] = (),
+         link_layer: str = "InfiniBand") -> NodeTopology:
     gpus = tuple(dataclasses.replace(gpu, is_healthy=gpu.index not in unhealthy)
                  for gpu in topology.gpus)
     return NodeTopology(NodeName(name), dataclasses.replace(topology, gpus=gpus),
-                        ib_ports(rates, down), num_cpu_cores=64, num_numa_nodes=2)
+                        ib_ports(rates, down, link_layer), num_cpu_cores=64, num_numa_nodes=2)
 
 
 def dgx(name: str, rate: float = 400.0, **kwargs) -> NodeTopology:
@@ -194,13 +196,38 @@ def test_spanning_uses_only_nodes_with_equal_active_ib():
     eight = tuple(range(8))
     assert "needs 2 nodes like this one (8 usable GPUs, IB at 400 Gb/s)" in reasons["g", eight]
     assert "(8 usable GPUs, IB at 200 Gb/s)" in reasons["c", eight]
-    assert "no active InfiniBand port (8 IB port(s) down or inactive)" in reasons["d", eight]
+    assert "no active InfiniBand or RoCE port (8 RDMA port(s) down or inactive)" in reasons[
+        "d", eight]
     assert "mixed rates (200, 400 Gb/s)" in reasons["e", eight]
     assert reasons["f", (3,)] == "unhealthy GPU(s)"
     assert reasons["f", (0, 1, 2, 4, 5, 6, 7)] == (
         "TP 16 needs 4 nodes like this one (7 usable GPUs, IB at 400 Gb/s) with 4 rank(s) on "
         "each; there are 1")
     assert len(reasons) == 6
+
+
+def test_roce_nodes_span_over_roce_and_never_with_ib_nodes():
+    # RoCE-only nodes were refused ("no active InfiniBand port") though NCCL runs over RoCE.
+    roce = [dgx(n, rate=400, link_layer="Ethernet") for n in "ab"]
+    (group,) = plan_groups(roce, 16).groups
+    assert group.node_names == ("a", "b") and group.fabric_gbps == 400.0
+    assert "spans 2 nodes over RoCE at 400 Gb/s" in group.reason
+    env = rank_env(group, 8, roce[1])
+    assert env["NCCL_IB_HCA"] == "=" + ",".join(f"mlx5_{k}:1" for k in range(8))
+    # an IB node and a RoCE node at the same rate cannot share a group
+    plan = plan_groups([dgx("c"), dgx("d"), roce[0]], 16)
+    assert [group.node_names for group in plan.groups] == [("c", "d")]
+    (left,) = plan.left_out
+    assert "needs 2 nodes like this one (8 usable GPUs, RoCE at 400 Gb/s)" in left.reason
+
+
+def test_a_node_with_ib_keeps_its_roce_port_out_of_spanning_groups():
+    # The A100 fixture's shape: eight IB ports and an Ethernet one (front-end or storage).
+    front_end = IBPort("mlx5_8", 1, "ACTIVE", "LinkUp", 100.0, "Ethernet")
+    a, b = (dataclasses.replace(dgx(n), ib_ports=dgx(n).ib_ports + (front_end,)) for n in "ab")
+    (group,) = plan_groups([a, b], 16).groups
+    assert group.fabric_gbps == 400.0 and "over IB at 400 Gb/s" in group.reason
+    assert "mlx5_8" not in rank_env(group, 0, a)["NCCL_IB_HCA"]
 
 
 def test_nodes_at_another_rate_form_their_own_groups():
@@ -344,7 +371,9 @@ def random_node(draw, name: str) -> NodeTopology:
     rates = draw(st.lists(st.sampled_from([200.0, 400.0]), max_size=3))
     down = draw(st.lists(st.integers(0, 2), max_size=2))
     unhealthy = draw(st.lists(st.integers(0, 7), max_size=2))
-    return node(name, gpu_topology(num_gpus, lambda i, j: by_pair[(i, j)]), rates, down, unhealthy)
+    link_layer = draw(st.sampled_from(["InfiniBand", "Ethernet"]))
+    return node(name, gpu_topology(num_gpus, lambda i, j: by_pair[(i, j)]), rates, down, unhealthy,
+                link_layer)
 
 
 @st.composite
@@ -376,8 +405,9 @@ def _check_plan(nodes: list[NodeTopology], tp: int, plan: PlacementPlan) -> None
             assert not group.spans_nodes
         if group.spans_nodes:
             members = [by_name[name] for name in group.node_names]
-            rates = {p.rate_gbps for n in members for p in n.active_ib_ports()}
+            rates = {p.rate_gbps for n in members for p in n.fabric()[1]}
             assert rates == {group.fabric_gbps}
+            assert len({n.fabric()[0] for n in members}) == 1  # IB and RoCE never mixed
             assert len({sum(g.is_healthy for g in n.gpus) for n in members}) == 1
         for name in group.node_names:
             if group.device_kind is DeviceKind.CPU:
