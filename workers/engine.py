@@ -94,9 +94,9 @@ class LLMEngine:
         self.max_model_len = context_length(config, self.model_config)
         # Rank 0 listens from now on: the port cannot be taken while the other ranks start.
         self._rendezvous = RendezvousSocket(init_host) if config.tp_size > 1 else None
-        rank_configs = self._rank_configs()
-        self.num_kv_blocks = rank_configs[0].num_kv_blocks
         try:
+            rank_configs = self._rank_configs()
+            self.num_kv_blocks = rank_configs[0].num_kv_blocks
             self._children = launcher(rank_configs[1:]) if config.tp_size > 1 else None
             self.rank = build_rank(rank_configs[0])
         finally:
