@@ -7,10 +7,12 @@ stopped it through a pipe, then serves plans until rank 0 broadcasts a shutdown 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from typing import Callable, List, Protocol
 
+import torch
 import torch.multiprocessing as mp
 
 from workers.rank import RankConfig, build_rank, serve_plans
@@ -39,6 +41,23 @@ def free_tcp_init_method(host: str = "127.0.0.1") -> str:
     return f"tcp://[{host}]:{port}" if family == socket.AF_INET6 else f"tcp://{host}:{port}"
 
 
+def check_local_device(config: RankConfig) -> None:
+    """Refuse a rank on a GPU this machine does not show CUDA, before any rank starts: the rank
+    would fail in its process while rank 0 waited for it at the rendezvous (``RENDEZVOUS_S``)."""
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return
+    count = torch.cuda.device_count()
+    if (device.index or 0) >= count:
+        world = config.group.world_size
+        raise ValueError(
+            f"TP {world} runs rank {config.group.rank} on {device}, but CUDA shows this machine "
+            f"{count} GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}): "
+            f"ranks on one machine take one GPU each; use --tp {max(count, 1)} or fewer, or "
+            f"serve on a Ray cluster (tpserve serve), where a group's ranks span GPUs of several "
+            f"machines")
+
+
 def _rank_main(config: RankConfig, conn) -> None:
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s %(levelname)s rank{config.group.rank} %(name)s: "
@@ -59,6 +78,8 @@ class RankProcesses:
     """The child ranks of one engine."""
 
     def __init__(self, configs: List[RankConfig]) -> None:
+        for config in configs:
+            check_local_device(config)
         ctx = mp.get_context("spawn")
         self._procs, self._conns = [], []
         for config in configs:

@@ -16,6 +16,7 @@ from parallel.tp_group import TPGroupConfig
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.multiproc import RankProcesses, free_tcp_init_method
+from workers.rank import RankConfig
 from workers.sampling_params import SamplingParams
 
 
@@ -96,3 +97,16 @@ def test_the_rendezvous_socket_listens_on_ipv6_in_brackets():
             pass  # accepted into the backlog before any store serves it
     finally:
         rendezvous.close()
+
+
+def test_local_ranks_beyond_the_gpus_cuda_shows_are_refused_before_any_starts(monkeypatch):
+    # Rank 1 on cuda:1 of a one-GPU machine failed in its process while rank 0 waited for it at
+    # the rendezvous: a 10-minute hang (RENDEZVOUS_S) for a --tp too large.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    config = RankConfig("/nowhere", TPGroupConfig(1, 2, "tcp://127.0.0.1:1"), "cuda:1",
+                        "float16", 16, 16, 256)
+    with pytest.raises(ValueError, match=re.escape(
+            "TP 2 runs rank 1 on cuda:1, but CUDA shows this machine 1 GPU(s) "
+            "(CUDA_VISIBLE_DEVICES=3)")):
+        RankProcesses([config])
