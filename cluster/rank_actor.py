@@ -92,6 +92,19 @@ class RayRankActors:
         except ray.exceptions.RayTaskError as exc:
             raise exc.as_instanceof_cause() from None
 
+    def check(self) -> None:
+        """Raise what stopped a rank, if one has stopped (its ``run`` ended: it failed to build,
+        or its actor died); does not wait."""
+        done, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
+        for ref in done:
+            index = self._runs.index(ref)
+            try:
+                ray.get(ref)  # an actor that died raises here
+                ray.get(self.actors[index].wait_ready.remote(0))  # a rank that failed to build
+            except ray.exceptions.RayTaskError as exc:
+                raise exc.as_instanceof_cause() from None
+            raise RuntimeError(f"rank {index + 1} stopped before its group was ready")
+
     def join(self, timeout_s: float = 30.0) -> None:
         try:
             ray.get(self._runs, timeout=timeout_s)

@@ -23,13 +23,13 @@ import logging
 import time
 from datetime import timedelta
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from parallel.latency import LatencyRecorder, SampledEventTimer
-from parallel.rendezvous import listening_store
+from parallel.rendezvous import announce, listening_store
 
 logger = logging.getLogger(__name__)
 
@@ -153,8 +153,11 @@ def _is_not_capturing() -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-def init_tp_group(config: TPGroupConfig, device: torch.device) -> TPGroup:
-    """Join the group described by ``config`` (blocks until every rank has joined)."""
+def init_tp_group(config: TPGroupConfig, device: torch.device,
+                  check_peers: Optional[Callable[[], None]] = None) -> TPGroup:
+    """Join the group described by ``config`` (blocks until every rank has joined). Rank 0 with
+    a ``listen_fd`` calls ``check_peers`` while it waits for the others (see
+    `parallel.rendezvous`)."""
     if config.world_size == 1:
         return TPGroup(0, 1, device)  # no collectives, nothing to time
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -166,10 +169,12 @@ def init_tp_group(config: TPGroupConfig, device: torch.device) -> TPGroup:
     rendezvous_timeout = max(timeout, timedelta(seconds=RENDEZVOUS_S))
     if config.listen_fd is not None:
         store = listening_store(config.init_method, config.listen_fd, config.world_size,
-                                rendezvous_timeout)
+                                rendezvous_timeout, check_peers)
         dist.init_process_group(backend=backend, store=store, rank=0,
                                 world_size=config.world_size, timeout=rendezvous_timeout)
     else:
+        if config.rank > 0:
+            announce(config.init_method, config.rank, rendezvous_timeout)
         dist.init_process_group(backend=backend, init_method=config.init_method,
                                 rank=config.rank, world_size=config.world_size,
                                 timeout=rendezvous_timeout)

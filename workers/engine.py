@@ -98,7 +98,8 @@ class LLMEngine:
             rank_configs = self._rank_configs()
             self.num_kv_blocks = rank_configs[0].num_kv_blocks
             self._children = launcher(rank_configs[1:]) if config.tp_size > 1 else None
-            self.rank = build_rank(rank_configs[0])
+            self.rank = build_rank(rank_configs[0], check_peers=(
+                self._children.check if self._children is not None else None))
         finally:
             if self._rendezvous is not None:
                 self._rendezvous.close()  # rank 0's store has its own descriptor

@@ -10,7 +10,7 @@ import logging
 import os
 import socket
 import time
-from typing import Callable, List, Protocol
+from typing import Callable, List, Optional, Protocol
 
 import torch
 import torch.multiprocessing as mp
@@ -24,6 +24,9 @@ class RankHandles(Protocol):
     """Started ranks 1..N-1, however they were launched."""
 
     def wait_ready(self, timeout_s: float = 600.0) -> None: ...
+
+    def check(self) -> None:
+        """Raise what stopped a rank, if one has (does not wait)."""
 
     def join(self, timeout_s: float = 30.0) -> None: ...
 
@@ -89,6 +92,7 @@ class RankProcesses:
             proc.start()
             self._procs.append(proc)
             self._conns.append(parent)
+        self._status: List[Optional[tuple]] = [None] * len(self._procs)  # ("ready"|"error", e)
 
     @property
     def pids(self) -> List[int]:
@@ -98,16 +102,30 @@ class RankProcesses:
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Block until every child has loaded; re-raise the first child's error."""
         deadline = time.monotonic() + timeout_s
-        for proc, conn in zip(self._procs, self._conns):
-            while not conn.poll(0.1):
-                if not proc.is_alive():
-                    raise RuntimeError(f"{proc.name} exited with code {proc.exitcode} "
-                                       f"before it was ready")
+        for index, proc in enumerate(self._procs):
+            while not self._checked(index, wait_s=0.1):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{proc.name} not ready after {timeout_s:.0f} s")
-            status, error = conn.recv()
-            if status == "error":
-                raise error
+
+    def check(self) -> None:
+        for index in range(len(self._procs)):
+            self._checked(index, wait_s=0.0)
+
+    def _checked(self, index: int, wait_s: float) -> bool:
+        """Whether child ``index`` is ready (its message read, waiting up to ``wait_s``); raises
+        its error, or that it exited before it was ready."""
+        proc, conn = self._procs[index], self._conns[index]
+        if self._status[index] is None and conn.poll(wait_s):
+            self._status[index] = conn.recv()
+        if self._status[index] is None:
+            if not proc.is_alive():
+                raise RuntimeError(f"{proc.name} exited with code {proc.exitcode} before it "
+                                   f"was ready")
+            return False
+        status, error = self._status[index]
+        if status == "error":
+            raise error
+        return True
 
     def join(self, timeout_s: float = 30.0) -> None:
         for proc in self._procs:

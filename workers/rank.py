@@ -11,7 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -91,13 +91,15 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str,
     return dtype
 
 
-def build_rank(config: RankConfig) -> Rank:
+def build_rank(config: RankConfig, check_peers: Optional[Callable[[], None]] = None) -> Rank:
+    """This rank, built; rank 0 calls ``check_peers`` (the launcher's ``check``) while it waits
+    for the others to join."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = torch.device(config.device)
     if device.type == "cpu":
         keep_freed_memory()  # no page faults on each step's large temporaries
-    tp = init_tp_group(config.group, device)
+    tp = init_tp_group(config.group, device, check_peers)
     model_config = load_model_config(Path(config.model_dir))
     dtype = getattr(torch, config.dtype)
     attention = make_attention_backend(config.attention_backend)

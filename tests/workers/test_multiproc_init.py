@@ -2,8 +2,10 @@
 cluster's node address, as torch's ``tcp://`` init method reads it), and rank 0's socket, held
 listening from the moment the engine picks its port."""
 
+import dataclasses
 import re
 import socket
+import time
 import urllib.parse
 from datetime import timedelta
 
@@ -110,3 +112,18 @@ def test_local_ranks_beyond_the_gpus_cuda_shows_are_refused_before_any_starts(mo
             "TP 2 runs rank 1 on cuda:1, but CUDA shows this machine 1 GPU(s) "
             "(CUDA_VISIBLE_DEVICES=3)")):
         RankProcesses([config])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_rank_that_fails_before_the_rendezvous_fails_the_engine_at_once(tiny_llama):
+    """Rank 0 waited for it at the rendezvous for RENDEZVOUS_S (10 minutes); it now watches the
+    other ranks while it waits, and raises the first one's error."""
+    def launcher(configs):  # rank 1 fails in its process before it joins the group
+        return RankProcesses([dataclasses.replace(c, num_threads=-1) for c in configs])
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="positive"):
+        LLMEngine(EngineConfig(model=str(tiny_llama), tp_size=2, num_kv_blocks=64),
+                  launcher=launcher)
+    assert time.monotonic() - started < 60
