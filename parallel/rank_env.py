@@ -1,6 +1,6 @@
 """The environment a planned rank runs with: its one visible GPU, the RDMA HCAs (InfiniBand or
-RoCE) nearest its GPUs for groups that span nodes, and the socket interface of its node. Pure functions of the
-plan and the node's topology."""
+RoCE) nearest its GPUs for groups that span nodes, and the socket interface of its node. Pure
+functions of the plan and the node's topology."""
 
 from __future__ import annotations
 

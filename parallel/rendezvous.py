@@ -75,7 +75,8 @@ def listening_store(init_method: str, listen_fd: int, world_size: int, timeout: 
         if time.monotonic() > deadline:
             missing = [int(key.rsplit("/", 1)[1]) for key in waiting]
             raise TimeoutError(f"rank(s) {missing} of a group of {world_size} did not reach "
-                               f"the rendezvous at {init_method} in {timeout.total_seconds():.0f} s")
+                               f"the rendezvous at {init_method} in "
+                               f"{timeout.total_seconds():.0f} s")
         time.sleep(_POLL_S)
     return dist.PrefixStore("default_pg", store)
 

@@ -1,6 +1,7 @@
 """The rendezvous of a group's ranks: its address (IPv4, and IPv6 in brackets: an IPv6-only
-cluster's node address, as torch's ``tcp://`` init method reads it), and rank 0's socket, held
-listening from the moment the engine picks its port."""
+cluster's node address, as torch's ``tcp://`` init method reads it), rank 0's socket, held
+listening from the moment the engine picks its port, and rank 0's watch over the other ranks
+while they join."""
 
 import dataclasses
 import re
