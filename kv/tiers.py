@@ -342,6 +342,13 @@ class KVTiers:
         """Ops issued and not yet committed, or spills still waiting for their bandwidth."""
         return self.num_issued > self.num_committed or self.pacer.num_pending > 0
 
+    def paced_wait_s(self) -> float:
+        """How long a step would find nothing to do but wait for the spill bound: 0 while ops
+        are in flight (steps commit them), else until the bucket pays for the next spill."""
+        if self.num_issued > self.num_committed:
+            return 0.0
+        return self.pacer.wait_s()
+
     # ----- committing -----
 
     def commit(self, results: TierOpResults) -> None:

@@ -128,6 +128,14 @@ class SpillPacer:
                 self._budget -= self._item_bytes
         return taken
 
+    def wait_s(self) -> float:
+        """How long until the bucket pays for the oldest queued item (0: now, or nothing is
+        queued, or no rate bounds the spills)."""
+        if self._rate is None or not self._pending:
+            return 0.0
+        self._refill()
+        return max(0.0, (self._item_bytes - self._budget) / self._rate)
+
     def _refill(self) -> None:
         now = self._clock()
         if self._rate is not None:

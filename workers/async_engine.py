@@ -27,6 +27,8 @@ from workers.step_watchdog import StepHungError, StepWatchdog
 
 logger = logging.getLogger(__name__)
 
+_IDLE_WAIT_S = 0.5  # the engine thread's longest wait for a command between steps
+
 Prompt = Union[str, Sequence[int]]
 
 
@@ -148,7 +150,7 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             while not self._stopping and self._error is None:
-                self._drain_commands(block=not self.engine.has_unfinished())
+                self._drain_commands(self._idle_s())
                 if self.engine.has_unfinished():
                     with self._watchdog.step():
                         outputs = self.engine.step()
@@ -167,9 +169,18 @@ class AsyncLLMEngine:
         self._error = error
         self._fail_all(EngineDeadError(f"engine failed: {error}"))
 
-    def _drain_commands(self, block: bool) -> None:
+    def _idle_s(self) -> float:
+        """How long the engine thread may wait for a command before its next step: 0.5 s with
+        nothing to do, until the spill bound pays with only held-back spills left, else 0."""
+        if not self.engine.has_unfinished():
+            return _IDLE_WAIT_S
+        return min(_IDLE_WAIT_S, self.engine.idle_wait_s())
+
+    def _drain_commands(self, wait_s: float) -> None:
+        """Apply every queued command, first waiting up to ``wait_s`` for one."""
         try:
-            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            command = (self._commands.get(timeout=wait_s) if wait_s > 0
+                       else self._commands.get_nowait())
         except queue.Empty:
             return
         while True:

@@ -222,6 +222,17 @@ class LLMEngine:
         return (self.scheduler.has_unfinished() or bool(self._aborted)
                 or (tiers is not None and tiers.has_outstanding))
 
+    def idle_wait_s(self) -> float:
+        """How long the next step may wait: with no request in flight and only spills that
+        ``--kv-spill-gbps`` holds back left, until the bound pays for the next one; else 0 (a
+        step has work). Callers wait instead of running empty steps back to back. At most a
+        third of the step timeout: ranks 1..N-1 must hear from rank 0 within it (the keepalive
+        is off while transfers are outstanding)."""
+        tiers = self.scheduler.kv.tiers
+        if tiers is None or self.scheduler.has_unfinished() or self._aborted:
+            return 0.0
+        return min(tiers.paced_wait_s(), self.config.step_timeout_s / 3)
+
     # ----- stepping -----
 
     def step(self) -> List[RequestOutput]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import List, Sequence, Union
 
 from workers.config import EngineConfig
@@ -28,6 +29,7 @@ class LLM:
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         final: dict = {}
         while self.engine.has_unfinished():
+            time.sleep(self.engine.idle_wait_s())  # only spills held back by their bound left
             for out in self.engine.step():
                 if out.finished:
                     final[out.request_id, out.index] = out

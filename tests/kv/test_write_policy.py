@@ -47,6 +47,20 @@ def test_pacer_issues_what_the_bucket_pays_for_and_refills_with_time():
     assert pacer.num_pending == 1
 
 
+def test_pacer_says_how_long_until_it_pays_for_the_next_item():
+    clock = Clock()
+    pacer = SpillPacer(item_bytes=100_000_000, gbps=1.0, max_pending=16, clock=clock)
+    assert pacer.wait_s() == 0.0  # nothing queued
+    for key in range(3):
+        pacer.offer(key, key)
+    assert pacer.wait_s() == 0.0  # the burst pays for two now
+    assert pacer.take(lambda item: True) == [0, 1]
+    assert pacer.wait_s() == pytest.approx(0.05)  # 50 MB left of the burst: 50 ms to 100 MB
+    clock.now = 0.05
+    assert pacer.wait_s() == pytest.approx(0.0)
+    assert SpillPacer(1, None, 4).wait_s() == 0.0
+
+
 def test_pacer_drops_stale_discarded_and_overflowing_items():
     pacer = SpillPacer(item_bytes=1, gbps=None, max_pending=3)
     for key in range(5):  # 0 and 1 fall off the front

@@ -1,6 +1,7 @@
 """The engine on its thread, streamed to asyncio: concurrency, abort on cancel, errors."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -111,3 +112,28 @@ def test_a_report_counts_the_rest_of_a_prompt_being_prefilled_in_chunks(tiny_lla
         assert [r.request_id for r in sync.scheduler.running] == ["long"]
         assert sync.scheduler.kv_usage().num_filled_slots == 16
         assert uncomputed_tokens(sync.scheduler) == 84 + 10
+
+
+def test_an_idle_engine_waits_for_held_back_spills_instead_of_stepping(tiny_llama):
+    """A request done, its blocks' spills still held back by --kv-spill-gbps: the engine thread
+    ran empty steps back to back until they all went out (a core at 100%, a TP group
+    broadcasting empty plans); it now waits for the bound between them."""
+    eng = AsyncLLMEngine(lambda: LLMEngine(EngineConfig(
+        model=str(tiny_llama), block_size=4, num_kv_blocks=16, max_num_seqs=1,
+        host_kv_blocks=64, kv_spill_gbps=1e-5)))
+    try:
+        counts = {"empty": 0}
+        schedule = eng.engine.scheduler.schedule
+
+        def counted():
+            scheduled = schedule()
+            counts["empty"] += not scheduled.plan.seqs
+            return scheduled
+
+        eng.engine.scheduler.schedule = counted
+        asyncio.run(collect(eng, list(range(5, 45)), "r", max_tokens=4, temperature=0.0))
+        assert eng.engine.scheduler.kv.tiers.pacer.num_pending > 0  # spills held back
+        time.sleep(1.0)
+        assert counts["empty"] < 200, counts
+    finally:
+        eng.shutdown()
