@@ -29,7 +29,9 @@ class LLM:
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         final: dict = {}
         while self.engine.has_unfinished():
-            time.sleep(self.engine.idle_wait_s())  # only spills held back by their bound left
+            wait_s = self.engine.idle_wait_s()  # > 0: only spills held back by their bound left
+            if wait_s > 0:
+                time.sleep(wait_s)
             for out in self.engine.step():
                 if out.finished:
                     final[out.request_id, out.index] = out
