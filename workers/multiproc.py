@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from typing import Callable, List, Optional, Protocol
 
 import torch
 import torch.multiprocessing as mp
 
+from parallel.rendezvous import RendezvousSocket
 from workers.rank import RankConfig, build_rank, serve_plans
 
 logger = logging.getLogger(__name__)
@@ -35,13 +35,12 @@ RankLauncher = Callable[[List[RankConfig]], RankHandles]
 
 
 def free_tcp_init_method(host: str = "127.0.0.1") -> str:
-    """A ``tcp://host:port`` on a port that is free now (rank 0 listens on it); an IPv6 host
-    goes in brackets (``tcp://[fd00::1]:port``)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port = sock.getsockname()[1]
-    return f"tcp://[{host}]:{port}" if family == socket.AF_INET6 else f"tcp://{host}:{port}"
+    """A ``tcp://host:port`` on a port that is free now, for ranks started by hand (tests); an
+    IPv6 host goes in brackets. It is closed again: the engine holds its port instead
+    (`parallel.rendezvous.RendezvousSocket`)."""
+    rendezvous = RendezvousSocket(host)
+    rendezvous.close()
+    return rendezvous.init_method
 
 
 def check_local_device(config: RankConfig) -> None:
