@@ -11,11 +11,14 @@ node's GPUs capped at what Ray offers there. A claim takes the first unheld plan
 creates its placement group: bundle k pinned to the node of rank k (`cluster.formation`), so Ray's
 GPU counts stay right while the plan, not Ray, picks the device. Before refusing, it takes back
 the groups of replicas that died (their actor no longer answers) and probes nodes that joined
-since: their groups are appended to the plan. A refusal is kept and shown by `tpserve status`.
+since: their groups are appended to the plan. Refusals are shown by `tpserve status` (the latest
+`MAX_REFUSALS_KEPT`) until a claim succeeds again: a refused replica's own teardown, which gives
+back what it holds, does not take its refusal with it.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 ALLOCATOR_NAME = "tpserve-group-allocator"
 ALLOCATOR_NAMESPACE = "tpserve"
+MAX_REFUSALS_KEPT = 16  # Serve starts a refused replica again and again: the latest are enough
 
 
 class NoPlannedGroupError(RuntimeError):
@@ -68,7 +72,8 @@ class GroupAllocator:
         self.claims: Dict[int, Claim] = {}
         self.holders: Dict[str, Any] = {}  # replica -> its actor handle
         self.placement_groups: Dict[str, PlacementGroup] = {}
-        self.refusals: Dict[str, Dict[str, Any]] = {}
+        self.refusals: "collections.OrderedDict[str, Dict[str, Any]]" = (
+            collections.OrderedDict())
 
     def claim(self, replica: str, handle: Any) -> PlannedClaim:
         index = claim(len(self.groups), self.claims, replica, self._on_lost_nodes())
@@ -78,11 +83,9 @@ class GroupAllocator:
             index = claim(len(self.groups), self.claims, replica, self._on_lost_nodes())
         if index is None:
             message = beyond_plan_message(replica, self._current_plan(), self.claims)
-            self.refusals[replica] = {"replica": replica, "time": time.time(),
-                                      "message": message}
-            logger.error("%s", message)
+            self._refuse(replica, message)
             raise NoPlannedGroupError(message)
-        self.refusals.pop(replica, None)
+        self.refusals.clear()  # placed again: the plan holds the replicas that ask now
         group = self.groups[index]
         if replica not in self.placement_groups:
             self.placement_groups[replica] = create_group_placement_group(
@@ -103,7 +106,6 @@ class GroupAllocator:
                 del self.claims[index]
                 logger.info("replica %s gives back planned group %d", replica, index)
         self.holders.pop(replica, None)
-        self.refusals.pop(replica, None)
         pg = self.placement_groups.pop(replica, None)
         if pg is not None:
             remove_placement_group(pg)
@@ -122,6 +124,13 @@ class GroupAllocator:
 
     def placement_groups_held(self) -> List[PlacementGroup]:
         return list(self.placement_groups.values())
+
+    def _refuse(self, replica: str, message: str) -> None:
+        logger.error("%s", message)
+        self.refusals.pop(replica, None)
+        self.refusals[replica] = {"replica": replica, "time": time.time(), "message": message}
+        while len(self.refusals) > MAX_REFUSALS_KEPT:
+            self.refusals.popitem(last=False)
 
     def _current_plan(self) -> PlacementPlan:
         return PlacementPlan(self.plan.tp_size, self.plan.device_kind, tuple(self.groups),

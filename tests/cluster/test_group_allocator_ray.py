@@ -46,3 +46,29 @@ def test_an_allocator_for_another_formation_is_replaced_once_nothing_holds_it(lo
     second = get_group_allocator(tp2)
     assert ray.get(second.config_in_use.remote()) == (tp2, 0)
     assert len(ray.get(second.claim.remote("replica-2", Replica.remote())).group.ranks) == 2
+
+
+def test_a_refusal_stays_in_the_status_after_the_refused_replica_goes(local_ray):
+    kill_group_allocator()  # a fresh plan: one group of one CPU rank
+    allocator = get_group_allocator(FormationConfig(tp_size=1, num_groups=1, cpus_per_rank=0.5))
+    holder = Replica.remote()
+    ray.get(allocator.claim.remote("replica-a", holder))
+    with pytest.raises(ray.exceptions.RayTaskError, match="replica-b has no planned group"):
+        ray.get(allocator.claim.remote("replica-b", Replica.remote()))
+    # The refused replica's teardown gives back what it holds. Before, that dropped its refusal
+    # too, so `tpserve status` showed no error seconds after the refusal while Serve went on
+    # starting replicas that the plan cannot place.
+    ray.get(allocator.release.remote("replica-b"))
+    refusals = ray.get(allocator.status.remote())["refusals"]
+    assert [r["replica"] for r in refusals] == ["replica-b"]
+    assert "has no planned group" in refusals[0]["message"]
+    # Replicas refused one after another are all shown, the latest few of them.
+    for k in range(40):
+        with pytest.raises(ray.exceptions.RayTaskError):
+            ray.get(allocator.claim.remote(f"replica-c{k}", Replica.remote()))
+    refusals = ray.get(allocator.status.remote())["refusals"]
+    assert [r["replica"] for r in refusals] == [f"replica-c{k}" for k in range(24, 40)]
+    # A claim that succeeds again (the group given back, or a node joined) clears them.
+    ray.kill(holder)
+    ray.get(allocator.claim.remote("replica-d", Replica.remote()))
+    assert ray.get(allocator.status.remote())["refusals"] == []
