@@ -23,6 +23,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-blocks", type=int, default=None, help="cap on device KV blocks")
     parser.add_argument("--kv-cache-gb", type=float, default=2.0,
                         help="device KV pool per rank in GiB (when --kv-blocks is not set)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="CUDA: the fraction of each GPU the rank may use; the KV pool "
+                             "takes what it leaves after the weights and the largest step "
+                             "(instead of --kv-cache-gb; --kv-blocks caps it)")
     parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget of one step (chunked prefill)")
@@ -76,6 +80,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, tp_size=args.tp, block_size=args.block_size,
         num_kv_blocks=args.kv_blocks, kv_cache_gb=args.kv_cache_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_cache=not args.no_prefix_cache,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,

@@ -19,9 +19,12 @@ Sections, each in its own module and each reporting its own failure without stop
    from seed+i, the same alone and in a batch.
 3. throughput (``gpu_check_throughput``): a random Llama-3.2-1B-shaped model in bf16 on 64 Azure
    code trace requests: output tok/s, ``ratio_vs_hf_generate``, ``roofline_frac``.
-4. triton_attention (``gpu_check_attention``): ``kv.triton_attention`` against the PyTorch paged
+4. memory_sizing (``gpu_check_memory``): an engine with ``--gpu-memory-utilization`` set to leave
+   it 1 GiB: its pool fits there, the GPU stays within the fraction after generating, greedy ids
+   equal ``transformers``, a fraction below what is in use is refused; on CPU, refused by name.
+5. triton_attention (``gpu_check_attention``): ``kv.triton_attention`` against the PyTorch paged
    attention, max abs error; "not available" while that module does not exist.
-5. tier_copies (``gpu_check_tiers``): ``check_cuda_tiers.check_copies`` (pinned spill/restore
+6. tier_copies (``gpu_check_tiers``): ``check_cuda_tiers.check_copies`` (pinned spill/restore
    GB/s vs a plain ``copy_``, corruption caught) and the checksum's GB/s.
 
 Checkpoints are built on the spot (``gpu_check_models``). Prints a section per check and, last,
@@ -56,6 +59,8 @@ SECTIONS = (
     # the headline figures before the longer checks, inside the time budget whatever they take
     ("throughput", "gpu_check_throughput", "check_throughput",
      "tpserve vs transformers generate, and vs the device's limit"),
+    ("memory_sizing", "gpu_check_memory", "check_memory_sizing",
+     "--gpu-memory-utilization: the KV pool sized from free memory, and held to it"),
     ("triton_attention", "gpu_check_attention", "check_triton_attention",
      "Triton paged attention vs the PyTorch reference"),
     ("tier_copies", "gpu_check_tiers", "check_tier_copies",

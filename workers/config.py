@@ -16,6 +16,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: Optional[int] = None  # caps the device pool; None: from kv_cache_gb
     kv_cache_gb: float = 2.0  # device pool per rank, when num_kv_blocks is None
+    # CUDA: the pool takes what this fraction of each rank's GPU leaves once the weights are
+    # loaded and the largest step has run (kv_cache_gb unused, num_kv_blocks a cap); None: off
+    gpu_memory_utilization: Optional[float] = None
     enable_prefix_cache: bool = True
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
     max_num_seqs: int = 128
@@ -68,6 +71,9 @@ class EngineConfig:
             raise ValueError(f"--kv-blocks must be at least 1, got {self.num_kv_blocks}")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"--kv-cache-gb must be positive, got {self.kv_cache_gb}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("--max-num-batched-tokens and --max-num-seqs must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -25,7 +25,7 @@ from parallel.tp_group import TPGroupConfig
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_sizing import (block_spec, check_model, context_length, default_num_blocks,
-                                   fit_context_to_pool)
+                                   fit_context_to_pool, max_pool_blocks)
 from workers.multiproc import RankLauncher, RankProcesses
 from workers.rank import RankConfig, build_rank, execute_plan, resolve_dtype
 from workers.request import FinishReason, Request, RequestId
@@ -96,7 +96,6 @@ class LLMEngine:
         self._rendezvous = RendezvousSocket(init_host) if config.tp_size > 1 else None
         try:
             rank_configs = self._rank_configs()
-            self.num_kv_blocks = rank_configs[0].num_kv_blocks
             self._children = launcher(rank_configs[1:]) if config.tp_size > 1 else None
             self.rank = build_rank(rank_configs[0], check_peers=(
                 self._children.check if self._children is not None else None))
@@ -105,6 +104,9 @@ class LLMEngine:
                 self._rendezvous.close()  # rank 0's store has its own descriptor
         if self._children is not None:
             self._children.wait_ready()
+        self.num_kv_blocks = self.rank.runner.kv_cache.spec.num_blocks  # as the ranks sized it
+        if config.gpu_memory_utilization is not None:
+            self._fit_context_to_sized_pool()
         self._tier_config = rank_configs[0].tiers
         kv = build_kv_manager(config, self.num_kv_blocks, self._tier_config,
                               self.rank.tiers.recovered_disk_tags if self.rank.tiers else {})
@@ -133,9 +135,17 @@ class LLMEngine:
         device = torch.device("cuda" if use_cuda else "cpu")
         dtype = resolve_dtype(cfg.dtype, device, model.torch_dtype)
         attention = resolve_attention_backend(cfg.attention_backend, device)
-        num_blocks = cfg.num_kv_blocks or default_num_blocks(cfg, model, dtype,
-                                                             self.max_model_len)
-        self.max_model_len = fit_context_to_pool(cfg, self.max_model_len, num_blocks)
+        if cfg.gpu_memory_utilization is not None:  # the ranks size the pool: this is a cap
+            if not use_cuda:
+                raise ValueError(
+                    f"--gpu-memory-utilization {cfg.gpu_memory_utilization:g} sizes the KV pool "
+                    f"from a CUDA device's free memory, and this engine runs on the CPU: size "
+                    f"it with --kv-cache-gb or --kv-blocks")
+            num_blocks = cfg.num_kv_blocks or max_pool_blocks(cfg, self.max_model_len)
+        else:
+            num_blocks = cfg.num_kv_blocks or default_num_blocks(cfg, model, dtype,
+                                                                 self.max_model_len)
+            self.max_model_len = fit_context_to_pool(cfg, self.max_model_len, num_blocks)
         init = self._rendezvous.init_method if self._rendezvous is not None else None
         threads = None if use_cuda else max(1, (torch.get_num_threads()) // cfg.tp_size)
         dtype_name = str(dtype).replace("torch.", "")
@@ -148,9 +158,21 @@ class LLMEngine:
                        f"cuda:{rank}" if use_cuda else "cpu", dtype_name,
                        num_blocks, cfg.block_size, self.max_model_len, threads, tiers,
                        attention_backend=attention, cuda_graphs=not cfg.enforce_eager,
-                       max_num_seqs=cfg.max_num_seqs)
+                       max_num_seqs=cfg.max_num_seqs,
+                       gpu_memory_utilization=cfg.gpu_memory_utilization,
+                       max_num_batched_tokens=cfg.max_num_batched_tokens)
             for rank in range(cfg.tp_size)
         ]
+
+    def _fit_context_to_sized_pool(self) -> None:
+        """The context, fitted to the pool the ranks sized from their free memory; the ranks
+        are stopped when it does not fit."""
+        try:
+            self.max_model_len = fit_context_to_pool(self.config, self.max_model_len,
+                                                     self.num_kv_blocks)
+        except ValueError:
+            self._stop_ranks()
+            raise
 
     def _rank_tier_config(self, dtype: torch.dtype, dtype_name: str) -> Optional[RankTierConfig]:
         cfg = self.config
@@ -418,15 +440,18 @@ class LLMEngine:
             self._maybe_snapshot(force=True)
             self._drain_transfers()
         finally:
-            if self._children is not None:
-                try:
-                    broadcast_plan(StepPlan(shutdown=True), self.rank.tp.cpu_group)
-                finally:
-                    self._children.join()
-                    self.rank.tp.destroy()
-            self.rank.close()
-            if self._disk_lock is not None:
-                self._disk_lock.release()
+            self._stop_ranks()
+
+    def _stop_ranks(self) -> None:
+        if self._children is not None:
+            try:
+                broadcast_plan(StepPlan(shutdown=True), self.rank.tp.cpu_group)
+            finally:
+                self._children.join()
+                self.rank.tp.destroy()
+        self.rank.close()
+        if self._disk_lock is not None:
+            self._disk_lock.release()
 
     def __enter__(self) -> "LLMEngine":
         return self

@@ -57,8 +57,14 @@ def default_num_blocks(config: EngineConfig, model: ModelConfig, dtype: torch.dt
     less than one (``fit_context_to_pool`` then lowers the context or refuses)."""
     by_memory = int(config.kv_cache_gb * (1 << 30)) // block_spec(config, model,
                                                                   dtype).bytes_per_block
+    return max(1, min(by_memory, max_pool_blocks(config, max_model_len)))
+
+
+def max_pool_blocks(config: EngineConfig, max_model_len: int) -> int:
+    """The most blocks a pool is given however much memory there is: ``max_num_seqs``
+    full-length sequences, and few enough for the block manager's Python objects."""
     per_seq = -(-max_model_len // config.block_size)
-    return max(1, min(by_memory, per_seq * config.max_num_seqs, _MAX_KV_BLOCKS))
+    return min(per_seq * config.max_num_seqs, _MAX_KV_BLOCKS)
 
 
 def fit_context_to_pool(config: EngineConfig, wanted: int, num_blocks: int) -> int:
@@ -68,13 +74,15 @@ def fit_context_to_pool(config: EngineConfig, wanted: int, num_blocks: int) -> i
     pool_tokens = num_blocks * config.block_size
     if pool_tokens >= wanted:
         return wanted
-    source = (f"--kv-blocks {config.num_kv_blocks}" if config.num_kv_blocks is not None
-              else f"--kv-cache-gb {config.kv_cache_gb:g}")
+    source = pool_source(config, num_blocks)
     pool = (f"the KV pool ({source}: {num_blocks} blocks of {config.block_size} tokens) holds "
             f"{pool_tokens} tokens")
-    fix = f"set --kv-blocks to at least {-(-wanted // config.block_size)}"
-    if config.num_kv_blocks is None:
-        fix += " (or raise --kv-cache-gb)"
+    if source.startswith("--gpu-memory-utilization"):
+        fix = "raise --gpu-memory-utilization (or --tp: each rank then holds less of the model)"
+    else:
+        fix = f"set --kv-blocks to at least {-(-wanted // config.block_size)}"
+        if config.num_kv_blocks is None:
+            fix += " (or raise --kv-cache-gb)"
     if config.max_model_len is not None:
         raise ValueError(f"--max-model-len {wanted} does not fit: {pool}, fewer than one "
                          f"sequence of {wanted}; {fix}, or --max-model-len to at most "
@@ -85,3 +93,13 @@ def fit_context_to_pool(config: EngineConfig, wanted: int, num_blocks: int) -> i
     logger.warning("%s, fewer than the model's context of %d: max_model_len lowered to %d; "
                    "%s for the full context", pool, wanted, pool_tokens, fix)
     return pool_tokens
+
+
+def pool_source(config: EngineConfig, num_blocks: int) -> str:
+    """The option that sized a pool of ``num_blocks``, as the user wrote it."""
+    capped = config.num_kv_blocks is not None and num_blocks >= config.num_kv_blocks
+    if config.gpu_memory_utilization is not None and not capped:
+        return f"--gpu-memory-utilization {config.gpu_memory_utilization:g}"
+    if config.num_kv_blocks is not None:
+        return f"--kv-blocks {config.num_kv_blocks}"
+    return f"--kv-cache-gb {config.kv_cache_gb:g}"

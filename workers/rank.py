@@ -7,6 +7,7 @@ the same ``build_rank`` and ``serve_plans``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from parallel.onednn_linear import pack_linear_weights
 from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
 from workers.cpu_malloc import keep_freed_memory
 from workers.loader import load_weights
+from workers.memory_profile import size_kv_pool
 from workers.model_config import ModelConfig, load_model_config
 from workers.model_runner import ModelRunner
 from workers.models.registry import model_class
@@ -47,6 +49,9 @@ class RankConfig:
     attention_backend: str = "torch"  # torch or triton, resolved by the engine
     cuda_graphs: bool = False  # decode steps through CUDA graphs (CUDA, triton backend)
     max_num_seqs: int = 256  # the largest decode batch a graph is captured for
+    # CUDA: size the pool from this fraction of the device (num_kv_blocks is then the cap)
+    gpu_memory_utilization: Optional[float] = None
+    max_num_batched_tokens: int = 2048  # the largest step, profiled for the fraction above
 
 
 @dataclass
@@ -110,6 +115,11 @@ def build_rank(config: RankConfig, check_peers: Optional[Callable[[], None]] = N
     num_kv_heads = model.model.layers[0].self_attn.qkv_proj.num_local_kv_heads
     spec = KVCacheSpec(model_config.num_layers, config.num_kv_blocks, config.block_size,
                        num_kv_heads, model_config.head_dim, dtype)
+    if config.gpu_memory_utilization is not None:
+        tp.wait_for_all_ranks()  # the profile step's all-reduces wait only a step's timeout
+        spec = dataclasses.replace(spec, num_blocks=size_kv_pool(
+            model, spec, device, config.gpu_memory_utilization, config.max_num_batched_tokens,
+            config.max_num_seqs, config.max_model_len, tp.startup_group or tp.cpu_group))
     # Backends that read block tables may pad a batch (CUDA graphs): padded rows need a block.
     kv_cache = KVCache(spec, device, with_scratch_block=attention.reads_block_tables)
     runner = ModelRunner(model, kv_cache, device, config.max_model_len, config.cuda_graphs,

@@ -15,7 +15,8 @@ import torch
 
 from bench_scripts import load_script, run_script
 
-SECTIONS = {"greedy_parity", "sampling", "triton_attention", "tier_copies", "throughput"}
+SECTIONS = {"greedy_parity", "sampling", "triton_attention", "tier_copies", "throughput",
+            "memory_sizing"}
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,7 @@ def test_cpu_quick_run_passes_every_check_it_runs(tmp_path):
                 "hf_generate_tokens_per_s"):
         assert throughput[key] > 0
     assert report["sections"]["tier_copies"]["figures"]["checksum_gbps"] > 0
+    assert report["sections"]["memory_sizing"]["checks"] == {"refused on CPU by name": True}
     print(f"gpu_check --device cpu --quick: {elapsed:.0f} s")
 
 
