@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from cluster.cli import build_parser  # noqa: E402
 from cluster.cli_generate import engine_config  # noqa: E402
+from cluster.serve_config import serve_config_from_args  # noqa: E402
 from tiny_models import hf_greedy  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine_sizing import fit_context_to_pool  # noqa: E402
@@ -95,6 +96,9 @@ def test_the_option_reaches_the_engine_config():
     assert engine_config(args).gpu_memory_utilization == 0.85
     args = build_parser().parse_args(["generate", "--prompts-file", "p.jsonl"])
     assert engine_config(args).gpu_memory_utilization is None
+    # a Serve config file's args (and so Helm's serve.extraArgs)
+    engine = serve_config_from_args({"gpu_memory_utilization": 0.9}, {}).engine
+    assert engine.gpu_memory_utilization == 0.9
 
 
 def test_a_context_that_does_not_fit_the_sized_pool_names_the_fraction(tiny_llama):
