@@ -25,7 +25,7 @@ import uuid
 from importlib.metadata import PackageNotFoundError, version as package_version
 from pathlib import Path
 from typing import (Any, AsyncIterator, Awaitable, Callable, Dict, List, Mapping, Optional,
-                    Sequence, Type)
+                    Type)
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -39,8 +39,9 @@ from starlette.exceptions import HTTPException
 from cluster.admission import IngressAdmission
 from cluster.grpc_service import GrpcService
 from cluster.group_stream import sampling_params
-from cluster.ingress_run import GroupStream, MigrationPolicy, RequestRun
 from cluster.ingress_metrics import IngressMetrics, RequestTimer
+from cluster.ingress_prompts import PromptCodec
+from cluster.ingress_run import GroupStream, MigrationPolicy, RequestRun
 from cluster.metrics import GroupRecord, get_metrics_store, router_decision_counts
 from cluster.openai_protocol import (
     ChatFormat,
@@ -54,7 +55,6 @@ from cluster.openai_protocol import (
 )
 from cluster.openai_requests import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -71,8 +71,6 @@ from cluster.request_limits import (
     request_timeout_s,
 )
 from kv.prefix_hash import extend_block_hashes
-from workers.model_config import load_model_config
-from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +133,7 @@ class OpenAIIngress:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self._api_key = api_key or None
-        self.tokenizer = load_tokenizer(Path(model_dir))
-        self.vocab_size = load_model_config(Path(model_dir)).vocab_size
+        self.prompts = PromptCodec(Path(model_dir))
         self.metrics = IngressMetrics(served_model_name, max_model_len, export_to_ray=True)
         self._output_lengths = OutputLengthEstimate()  # what the router charges for outputs
         self._store = get_metrics_store()
@@ -179,14 +176,14 @@ class OpenAIIngress:
         raw = await self._body(request)
         if "messages" in _json_object(raw):
             chat = self._parse(raw, TokenizeChatRequest)
-            ids = self._chat_prompt_ids(chat.messages, chat.template_options(),
+            ids = self.prompts.chat_prompt_ids(chat.messages, chat.template_options(),
                                         chat.add_special_tokens)
             want_strs = chat.return_token_strs
         else:
             body = self._parse(raw, TokenizeCompletionRequest)
-            ids = self._prompt_ids(body.prompt, body.add_special_tokens)
+            ids = self.prompts.prompt_ids(body.prompt, body.add_special_tokens)
             want_strs = body.return_token_strs
-        strs = self.tokenizer.convert_ids_to_tokens(ids) if want_strs else None
+        strs = self.prompts.token_strs(ids) if want_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                 "token_strs": strs}
 
@@ -194,8 +191,8 @@ class OpenAIIngress:
     async def detokenize(self, request: Request) -> Dict[str, Any]:
         self._authorize(request)
         body = self._parse(await self._body(request), DetokenizeRequest)
-        self._check_token_ids(body.tokens, "tokens")
-        return {"prompt": self._detokenize(body.tokens)}
+        self.prompts.check_token_ids(body.tokens, "tokens")
+        return {"prompt": self.prompts.detokenize(body.tokens)}
 
     @app.get("/version")
     async def version(self) -> Dict[str, str]:
@@ -261,19 +258,19 @@ class OpenAIIngress:
                        release: Callable[[], None]) -> RequestRun:
         """Tokenize and check a completion request, and send it to a TP group; ``release``
         (the admission slot's) is called when the run ends."""
-        prompt_ids = self._prompt_ids(body.prompt, body.add_special_tokens)
+        prompt_ids = self.prompts.prompt_ids(body.prompt, body.add_special_tokens)
         max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids), self.max_model_len,
                                         default=DEFAULT_COMPLETION_MAX_TOKENS)
         fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()),
                                self.served_model_name, body.include_usage)
-        echo = self._detokenize(prompt_ids) if body.echo else ""
+        echo = self.prompts.detokenize(prompt_ids) if body.echo else ""
         return self._start(fmt, body, max_tokens, prompt_ids, timer, echo,
                            timeout_s=timeout_s, release=release)
 
     def chat_run(self, body: ChatCompletionRequest, timer: RequestTimer, *, timeout_s: float,
                  release: Callable[[], None]) -> RequestRun:
         """Apply the chat template, check the request, and send it to a TP group."""
-        prompt_ids = self._chat_prompt_ids(body.messages, body.template_options(),
+        prompt_ids = self.prompts.chat_prompt_ids(body.messages, body.template_options(),
                                            body.add_special_tokens)
         max_tokens = resolve_max_tokens(body.requested_max_tokens, len(prompt_ids),
                                         self.max_model_len, param=body.max_tokens_param,
@@ -347,43 +344,6 @@ class OpenAIIngress:
     def _parse(self, raw: bytes, model: Type[R]) -> R:
         return self.check_body(parse_request(raw, model))
 
-    def _prompt_ids(self, prompt: Any, add_special_tokens: Optional[bool] = None) -> List[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ProtocolError("this model has no tokenizer: send the prompt as token ids",
-                                    param="prompt")
-            add = True if add_special_tokens is None else add_special_tokens
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=add))
-            if not ids:
-                raise ProtocolError("the prompt tokenizes to no tokens", param="prompt")
-            return ids
-        self._check_token_ids(prompt, "prompt")
-        return list(prompt)
-
-    def _check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ProtocolError(f"{param} token ids must be in [0, {self.vocab_size}); got "
-                                f"{bad[:5]}", param=param)
-
-    def _chat_prompt_ids(self, messages: Sequence[ChatMessage], options: Dict[str, Any],
-                         add_special_tokens: Optional[bool]) -> List[int]:
-        if self.tokenizer is None:
-            raise ProtocolError("this model has no tokenizer, so no chat template: use "
-                                "/v1/completions with token ids", param="messages")
-        conversation = [m.template_message() for m in messages]
-        try:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
-        except Exception as exc:  # jinja errors (e.g. roles must alternate), no template
-            raise ProtocolError(f"cannot apply the chat template: {exc}", param="messages")
-        # The template writes BOS itself: special tokens are added only when asked (as vLLM).
-        return list(self.tokenizer.encode(text, add_special_tokens=bool(add_special_tokens)))
-
-    def _detokenize(self, token_ids: Sequence[int]) -> str:
-        if self.tokenizer is None:
-            raise ProtocolError("this model has no tokenizer: text cannot be produced")
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
     @staticmethod
     def _check_sampling(sampling: Dict[str, Any]) -> None:
         try:
@@ -400,7 +360,7 @@ class OpenAIIngress:
                release: Callable[[], None]) -> RequestRun:
         sampling = body.sampling(max_tokens)
         self._check_sampling(sampling)
-        self._check_token_ids(list(sampling["logit_bias"]), "logit_bias")
+        self.prompts.check_token_ids(list(sampling["logit_bias"]), "logit_bias")
         payload = {"request_id": fmt.request_id, "prompt_token_ids": prompt_ids,
                    "sampling": sampling}
         n = sampling["n"]
@@ -421,7 +381,7 @@ class OpenAIIngress:
                                 on_migrate=self.metrics.record_migration)
         stream = DeadlineStream(migrating, timeout_s)  # the deadline covers the migrations too
         return RequestRun(fmt, stream, timer, len(prompt_ids), n,  # type: ignore[arg-type]
-                          sampling["logprobs"] is not None, self._token_text, on_end,
+                          sampling["logprobs"] is not None, self.prompts.token_text, on_end,
                           echo=echo, continuous_usage=body.continuous_usage)
 
     @staticmethod
@@ -430,11 +390,6 @@ class OpenAIIngress:
             first = await run.first_chunk()
             return StreamingResponse(run.events(first), media_type="text/event-stream")
         return JSONResponse(await run.collect())
-
-    def _token_text(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return f"<{token_id}>"
-        return self.tokenizer.decode([token_id])
 
     def _record(self, run: RequestRun, outcome: Optional[str]) -> None:
         reason = outcome or run.finish_reason or "abort"
