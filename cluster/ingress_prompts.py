@@ -63,6 +63,9 @@ class PromptCodec:
 
     def token_strs(self, token_ids: Sequence[int]) -> List[str]:
         """``/tokenize``'s ``token_strs``: each id's token as the vocabulary spells it."""
+        if self.tokenizer is None:
+            raise ProtocolError("this model has no tokenizer, so no token strings: drop "
+                                "return_token_strs", param="return_token_strs")
         return self.tokenizer.convert_ids_to_tokens(list(token_ids))
 
     def token_text(self, token_id: int) -> str:
