@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 from traces import TraceRequest
 from workers.config import EngineConfig
-from workers.engine import LLMEngine
+from workers.engine import LLMEngine, RequestOutput
 from workers.sampling_params import SamplingParams
 
 MIN_TOKEN_ID = 3  # stay clear of the special tokens at the lowest ids
@@ -127,7 +127,8 @@ def replay(name: str, config: EngineConfig, prompts: Sequence[List[int]],
             if not engine.has_unfinished():
                 time.sleep(max(0.0, due.next_arrival() - now))  # open loop, nothing arrived yet
                 continue
-            for out in engine.step():
+            next_in = due.next_arrival() - now if due.pending and arrivals is not None else None
+            for out in _step(engine, next_in):
                 if out.new_token_ids and out.request_id not in ttft:
                     ttft[out.request_id] = time.perf_counter() - arrived[out.request_id]
                 due.num_running -= out.finished
@@ -174,4 +175,13 @@ def _params(max_tokens: int) -> SamplingParams:
 def _drain(engine: LLMEngine, prompt: List[int], max_tokens: int) -> None:
     engine.add_request(prompt, _params(max_tokens), request_id="warm-up")
     while engine.has_unfinished():
-        engine.step()
+        _step(engine)
+
+
+def _step(engine: LLMEngine, next_arrival_in: Optional[float] = None) -> List[RequestOutput]:
+    """One engine step; first, while only spills that ``--kv-spill-gbps`` holds back are left,
+    a wait for the bound (or the next arrival, if sooner) instead of an empty step."""
+    wait_s = engine.idle_wait_s()
+    if wait_s > 0:
+        time.sleep(wait_s if next_arrival_in is None else max(0.0, min(wait_s, next_arrival_in)))
+    return engine.step()

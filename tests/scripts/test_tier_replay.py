@@ -51,3 +51,28 @@ def test_open_loop_ttft_includes_the_wait_for_the_engine(replay_module, tiny_lla
     opened = replay_module.replay("device_only", config, prompts, outputs, 256, [0.0] * 6)
     assert len(opened.ttft_s) == len(closed.ttft_s) == 6
     assert opened.ttft_ms() > 2 * closed.ttft_ms()
+
+
+@pytest.mark.slow
+def test_between_arrivals_a_spill_bound_is_waited_for_not_stepped(replay_module, tiny_llama,
+                                                                  monkeypatch):
+    """With --kv-spill-gbps, spills held back by the bound keep the engine unfinished after a
+    request is done. Before, the replay ran empty steps back to back until the next arrival
+    (and the last spill): a core at 100% inside the benchmark that measures the tiers."""
+    from workers.config import EngineConfig
+    from workers.engine import LLMEngine
+
+    steps = []
+
+    class CountingEngine(LLMEngine):
+        def step(self):
+            steps.append(1)
+            return super().step()
+
+    monkeypatch.setattr(replay_module, "LLMEngine", CountingEngine)
+    config = EngineConfig(model=str(tiny_llama), block_size=16, num_kv_blocks=64,
+                          max_num_seqs=2, device="cpu", host_kv_blocks=64, kv_spill_gbps=1e-5)
+    prompts = [[5 + (7 * i + j) % 200 for j in range(48)] for i in range(2)]
+    result = replay_module.replay("host", config, prompts, [4, 4], 256, [0.0, 1.5])
+    assert len(result.ttft_s) == 2
+    assert len(steps) < 300, len(steps)
