@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from ray import serve
 from ray.serve.config import (
@@ -27,7 +27,16 @@ from cluster.formation import FormationConfig
 from cluster.group_deployment import GroupResources, PlannedPlacement, TPGroupServer
 from cluster.ingress import build_ingress
 from cluster.kv_router import KVAwareRouter
+from cluster.placement import (
+    DEFAULT_LOAD_SCALE,
+    DEFAULT_LOAD_WEIGHT,
+    DEFAULT_MAX_REPORT_AGE_S,
+    DEFAULT_PREFIX_WEIGHT,
+    DEFAULT_QUEUE_WEIGHT,
+    DEFAULT_TARGET_OCCUPANCY,
+)
 from cluster.request_limits import MIB, IngressLimits
+from cluster.router_settings import RouterSettings
 from workers.config import EngineConfig
 from workers.default_model import resolve_model_path
 from workers.engine_sizing import check_model, context_length, fit_context_to_pool
@@ -219,6 +228,45 @@ def group_placement_options(resources: GroupResources, tp_size: int, strategy: s
                                   "num_gpus": resources.gpus_per_rank}}
 
 
+def kv_aware_router_config(
+    target_occupancy: float = DEFAULT_TARGET_OCCUPANCY,
+    stats_period_s: float = 0.5,
+    stats_timeout_s: Optional[float] = None,
+    max_report_age_s: Optional[float] = None,
+    block_size: Optional[int] = None,
+    num_decision_times: int = 4096,
+    prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
+    load_weight: float = DEFAULT_LOAD_WEIGHT,
+    queue_weight: float = DEFAULT_QUEUE_WEIGHT,
+    load_scale: str = DEFAULT_LOAD_SCALE,
+) -> RequestRouterConfig:
+    """The ``request_router_config`` of a group deployment, validated here rather than in the
+    first caller. ``max_report_age_s`` defaults to the larger of 5 s and ten stats periods, and
+    a charge no report lists expires after twice that; ``block_size`` is the one the callers'
+    ``block_hashes`` use (by default, the groups'); the weights are `rank_groups`' (load_weight
+    0: the strict prefix-first order)."""
+    if max_report_age_s is None:
+        max_report_age_s = max(DEFAULT_MAX_REPORT_AGE_S, 10 * stats_period_s)
+    kwargs: Dict[str, Any] = dict(
+        target_occupancy=target_occupancy,
+        max_report_age_s=max_report_age_s,
+        charge_ttl_s=2 * max_report_age_s,
+        block_size=block_size,
+        num_decision_times=num_decision_times,
+        prefix_weight=prefix_weight,
+        load_weight=load_weight,
+        queue_weight=queue_weight,
+        load_scale=load_scale,
+    )
+    RouterSettings(**kwargs)  # raises ValueError now, not on the first request
+    return RequestRouterConfig(
+        request_router_class=KVAwareRouter,
+        request_router_kwargs=kwargs,
+        request_routing_stats_period_s=stats_period_s,
+        request_routing_stats_timeout_s=stats_timeout_s or max(1.0, 2 * stats_period_s),
+    )
+
+
 def router_config(config: ServeConfig) -> RequestRouterConfig:
     """The group deployment's router: tpserve's KV-aware one, or one of Serve's to compare."""
     stats = dict(request_routing_stats_period_s=config.routing_stats_period_s,
@@ -238,8 +286,7 @@ def router_config(config: ServeConfig) -> RequestRouterConfig:
         kwargs["queue_weight"] = QUEUE_VARIANT_WEIGHT
     if config.router == "kv_headroom":
         kwargs["load_scale"] = "target"
-    return RequestRouterConfig(request_router_class=KVAwareRouter,
-                               request_router_kwargs=kwargs, **stats)
+    return kv_aware_router_config(stats_period_s=config.routing_stats_period_s, **kwargs)
 
 
 def build_app(config: ServeConfig, cluster: Dict[str, float]):

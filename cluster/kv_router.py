@@ -68,7 +68,6 @@ from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import (
     LocalityMixin,
     MultiplexMixin,
@@ -80,18 +79,7 @@ from ray.serve.request_router import (
 
 from cluster.load_report import FleetLoads, ReplicaLoadTracker
 from cluster.metrics import register_router_decisions
-from cluster.placement import (
-    DEFAULT_LOAD_SCALE,
-    DEFAULT_LOAD_WEIGHT,
-    DEFAULT_MAX_REPORT_AGE_S,
-    DEFAULT_PREFIX_WEIGHT,
-    DEFAULT_QUEUE_WEIGHT,
-    DEFAULT_TARGET_OCCUPANCY,
-    GroupLoad,
-    Placement,
-    RequestDemand,
-    rank_groups,
-)
+from cluster.placement import GroupLoad, Placement, RequestDemand, rank_groups
 from cluster.prefix_index import PrefixIndex
 from cluster.router_settings import RouterSettings
 from cluster.uniform_rank import rank_uniform
@@ -125,45 +113,6 @@ def _register(router: "KVAwareRouter") -> None:
     module = importlib.import_module(__name__)  # the imported module, even from a pickled copy
     with module._live_routers_lock:
         module._live_routers.add(router)
-
-
-def kv_aware_router_config(
-    target_occupancy: float = DEFAULT_TARGET_OCCUPANCY,
-    stats_period_s: float = 0.5,
-    stats_timeout_s: Optional[float] = None,
-    max_report_age_s: Optional[float] = None,
-    block_size: Optional[int] = None,
-    num_decision_times: int = 4096,
-    prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
-    load_weight: float = DEFAULT_LOAD_WEIGHT,
-    queue_weight: float = DEFAULT_QUEUE_WEIGHT,
-    load_scale: str = DEFAULT_LOAD_SCALE,
-) -> RequestRouterConfig:
-    """The ``request_router_config`` of a group deployment, validated here rather than in the
-    first caller. ``max_report_age_s`` defaults to the larger of 5 s and ten stats periods, and
-    a charge no report lists expires after twice that; ``block_size`` is the one the callers'
-    ``block_hashes`` use (by default, the groups'); the weights are `rank_groups`' (load_weight
-    0: the strict prefix-first order)."""
-    if max_report_age_s is None:
-        max_report_age_s = max(DEFAULT_MAX_REPORT_AGE_S, 10 * stats_period_s)
-    kwargs: Dict[str, Any] = dict(
-        target_occupancy=target_occupancy,
-        max_report_age_s=max_report_age_s,
-        charge_ttl_s=2 * max_report_age_s,
-        block_size=block_size,
-        num_decision_times=num_decision_times,
-        prefix_weight=prefix_weight,
-        load_weight=load_weight,
-        queue_weight=queue_weight,
-        load_scale=load_scale,
-    )
-    RouterSettings(**kwargs)  # raises ValueError now, not on the first request
-    return RequestRouterConfig(
-        request_router_class=KVAwareRouter,
-        request_router_kwargs=kwargs,
-        request_routing_stats_period_s=stats_period_s,
-        request_routing_stats_timeout_s=stats_timeout_s or max(1.0, 2 * stats_period_s),
-    )
 
 
 # From this many groups up a decision ranks with rank_uniform (a C-level sort, the groups with a
@@ -223,7 +172,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         register_router_decisions(self._decision_counts)  # /metrics of the caller's process
 
     def initialize_state(self, **kwargs: Any) -> None:
-        """Takes ``request_router_kwargs``: see `kv_aware_router_config`."""
+        """Takes ``request_router_kwargs``: see `cluster.app.kv_aware_router_config`."""
         self._settings = RouterSettings(**kwargs)
         self._decision_times_us = collections.deque(maxlen=self._settings.num_decision_times)
 

@@ -20,7 +20,7 @@ from cluster.placement import (
 @dataclass(frozen=True)
 class RouterSettings:
     """``request_router_kwargs`` of `cluster.kv_router.KVAwareRouter`, checked on construction
-    (see `cluster.kv_router.kv_aware_router_config`)."""
+    (see `cluster.app.kv_aware_router_config`)."""
 
     target_occupancy: float = DEFAULT_TARGET_OCCUPANCY
     max_report_age_s: float = DEFAULT_MAX_REPORT_AGE_S

@@ -3,15 +3,23 @@ prefixes) and validation."""
 
 import pytest
 
-from cluster.app import ServeConfig, parse_groups, router_config
+from cluster.app import ServeConfig, kv_aware_router_config, parse_groups, router_config
 from cluster.kv_router import KVAwareRouter
+from cluster.router_settings import RouterSettings
 from workers.config import EngineConfig
+
+
+def settings(config) -> RouterSettings:
+    return RouterSettings(**config.request_router_kwargs)
 
 
 def test_serve_config_router_choice():
     engine = EngineConfig(model="default")
     kv = router_config(ServeConfig(engine=engine, kv_target_occupancy=0.6))
-    assert kv.request_router_kwargs == {"target_occupancy": 0.6}
+    # every setting spelled out by kv_aware_router_config, the same as the router's defaults
+    assert kv.request_router_kwargs == kv_aware_router_config(
+        target_occupancy=0.6).request_router_kwargs
+    assert RouterSettings(**kv.request_router_kwargs) == RouterSettings(target_occupancy=0.6)
     assert KVAwareRouter.__name__ in str(kv.request_router_class)
     pow2 = router_config(ServeConfig(engine=engine, router="pow2"))
     assert "PowerOfTwoChoices" in str(pow2.request_router_class)
@@ -20,11 +28,11 @@ def test_serve_config_router_choice():
     round_robin = router_config(ServeConfig(engine=engine, router="round_robin"))
     assert "RoundRobinRouter" in str(round_robin.request_router_class)
     strict = router_config(ServeConfig(engine=engine, router="kv_strict"))
-    assert strict.request_router_kwargs == {"target_occupancy": 0.7, "load_weight": 0.0}
+    assert settings(strict) == RouterSettings(load_weight=0.0)
     queue = router_config(ServeConfig(engine=engine, router="kv_queue"))
-    assert queue.request_router_kwargs == {"target_occupancy": 0.7, "queue_weight": 2.0}
+    assert settings(queue) == RouterSettings(queue_weight=2.0)
     headroom = router_config(ServeConfig(engine=engine, router="kv_headroom"))
-    assert headroom.request_router_kwargs == {"target_occupancy": 0.7, "load_scale": "target"}
+    assert settings(headroom) == RouterSettings(load_scale="target")
     with pytest.raises(ValueError,
                        match="router must be one of kv, kv_strict, kv_queue, kv_headroom, pow2"):
         ServeConfig(engine=engine, router="random")

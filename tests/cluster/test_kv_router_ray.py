@@ -31,9 +31,9 @@ from cluster.kv_router import (  # noqa: E402
     FALLBACK_NO_NUM_TOKENS,
     FALLBACK_NO_REPORTS,
     KVAwareRouter,
-    kv_aware_router_config,
     live_routers,
 )
+from cluster.app import kv_aware_router_config  # noqa: E402
 from cluster.load_report import ReplicaLoadTracker, parse_report  # noqa: E402
 from cluster.group_deployment import serve_routing_id  # noqa: E402
 from cluster.placement import PlacementReason, RequestDemand  # noqa: E402
