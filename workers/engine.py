@@ -24,8 +24,8 @@ from parallel.rendezvous import RendezvousSocket
 from parallel.tp_group import TPGroupConfig
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
-from workers.engine_sizing import (block_spec, check_model, context_length, default_num_blocks,
-                                   fit_context_to_pool, max_pool_blocks)
+from workers.engine_sizing import (block_spec, check_model, context_length, fit_context_to_pool,
+                                   size_pool)
 from workers.multiproc import RankLauncher, RankProcesses
 from workers.rank import RankConfig, build_rank, execute_plan, resolve_dtype
 from workers.request import FinishReason, Request, RequestId
@@ -36,7 +36,7 @@ from workers.keepalive import PlanKeepalive
 from workers.request_intake import check_resume, check_token_ids, choice_generator, tokenize
 from workers.step_plan import StepPlan, broadcast_plan
 from workers.tier_setup import (RankTierConfig, build_kv_manager, claim_engine_dir,
-                                disk_bytes_by_dir, model_identity, save_token_index, tier_sizes)
+                                model_identity, save_token_index, tier_sizes, tier_stats)
 from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -135,17 +135,8 @@ class LLMEngine:
         device = torch.device("cuda" if use_cuda else "cpu")
         dtype = resolve_dtype(cfg.dtype, device, model.torch_dtype)
         attention = resolve_attention_backend(cfg.attention_backend, device)
-        if cfg.gpu_memory_utilization is not None:  # the ranks size the pool: this is a cap
-            if not use_cuda:
-                raise ValueError(
-                    f"--gpu-memory-utilization {cfg.gpu_memory_utilization:g} sizes the KV pool "
-                    f"from a CUDA device's free memory, and this engine runs on the CPU: size "
-                    f"it with --kv-cache-gb or --kv-blocks")
-            num_blocks = cfg.num_kv_blocks or max_pool_blocks(cfg, self.max_model_len)
-        else:
-            num_blocks = cfg.num_kv_blocks or default_num_blocks(cfg, model, dtype,
-                                                                 self.max_model_len)
-            self.max_model_len = fit_context_to_pool(cfg, self.max_model_len, num_blocks)
+        num_blocks, self.max_model_len = size_pool(cfg, model, dtype, self.max_model_len,
+                                                   use_cuda)
         init = self._rendezvous.init_method if self._rendezvous is not None else None
         threads = None if use_cuda else max(1, (torch.get_num_threads()) // cfg.tp_size)
         dtype_name = str(dtype).replace("torch.", "")
@@ -404,29 +395,10 @@ class LLMEngine:
         return self.scheduler.kv_usage()
 
     def kv_tier_stats(self) -> Dict[str, object]:
-        """The tiers' numbers for the serving layer, keyed ``kv_tier_*`` (counters end in
-        ``_total``; bytes count every rank's shard; latency samples are rank 0's, per batch of
-        transfers, since the last call). Empty without tiers."""
-        tiers, rank_tiers = self.scheduler.kv.tiers, self.rank.tiers
-        if tiers is None or rank_tiers is None:
-            return {}
-        pool, transfer, ranks = self.scheduler.kv.pool, rank_tiers.transfer, self.config.tp_size
-        stats: Dict[str, object] = {
-            "device_blocks_used": pool.num_used, "device_blocks_total": pool.num_blocks,
-            "device_queries_total": self.scheduler.kv.num_prefix_queries // self.config.block_size,
-            "device_hits_total": self.scheduler.kv.num_device_hits // self.config.block_size,
-            **tiers.usage(),
-            "spilled_bytes_total": transfer.num_bytes_spilled * ranks,
-            "restored_bytes_total": transfer.num_bytes_restored * ranks,
-            "disk_written_bytes_total": transfer.num_bytes_disk_written * ranks,
-            "disk_read_bytes_total": transfer.num_bytes_disk_read * ranks,
-            "transfer_latency_seconds": transfer.transfer_latency.drain(),
-        }
-        if rank_tiers.disk is not None:  # by --disk-kv-dir entry: {dir: bytes}
-            by_dir = disk_bytes_by_dir(self._tier_config, rank_tiers.disk)
-            stats["disk_dir_written_bytes_total"] = {d: w * ranks for d, (w, _) in by_dir.items()}
-            stats["disk_dir_read_bytes_total"] = {d: r * ranks for d, (_, r) in by_dir.items()}
-        return {f"kv_tier_{key}": value for key, value in stats.items()}
+        """The tiers' numbers for the serving layer (`workers.tier_setup.tier_stats`); empty
+        without tiers."""
+        return tier_stats(self.scheduler.kv, self.rank.tiers, self._tier_config,
+                          self.config.tp_size, self.config.block_size)
 
     def shutdown(self) -> None:
         """Stop the child ranks (a shutdown plan releases their blocked broadcast)."""

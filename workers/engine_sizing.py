@@ -60,6 +60,24 @@ def default_num_blocks(config: EngineConfig, model: ModelConfig, dtype: torch.dt
     return max(1, min(by_memory, max_pool_blocks(config, max_model_len)))
 
 
+def size_pool(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, max_model_len: int,
+              use_cuda: bool) -> Tuple[int, int]:
+    """The device pool's blocks per rank and the context fitted to it. With
+    ``--gpu-memory-utilization`` the ranks size the pool once the weights are loaded
+    (`workers.memory_profile`): the blocks returned are then the cap, and the engine fits the
+    context to what the ranks found."""
+    if config.gpu_memory_utilization is None:
+        num_blocks = config.num_kv_blocks or default_num_blocks(config, model, dtype,
+                                                                max_model_len)
+        return num_blocks, fit_context_to_pool(config, max_model_len, num_blocks)
+    if not use_cuda:
+        raise ValueError(
+            f"--gpu-memory-utilization {config.gpu_memory_utilization:g} sizes the KV pool "
+            f"from a CUDA device's free memory, and this engine runs on the CPU: size it with "
+            f"--kv-cache-gb or --kv-blocks")
+    return config.num_kv_blocks or max_pool_blocks(config, max_model_len), max_model_len
+
+
 def max_pool_blocks(config: EngineConfig, max_model_len: int) -> int:
     """The most blocks a pool is given however much memory there is: ``max_num_seqs``
     full-length sequences, and few enough for the block manager's Python objects."""

@@ -255,6 +255,33 @@ def disk_bytes_by_dir(config: RankTierConfig,
     return {str(Path(engine_dir).parent): counts
             for engine_dir, counts in zip(config.disk_dirs, disk.directory_bytes())}
 
+def tier_stats(kv: KVCacheManager, rank_tiers: Optional[RankTiers],
+               tier_config: Optional[RankTierConfig], tp_size: int,
+               block_size: int) -> Dict[str, object]:
+    """The tiers' numbers for the serving layer, keyed ``kv_tier_*`` (counters end in
+    ``_total``; bytes count every rank's shard; latency samples are rank 0's, per batch of
+    transfers, since the last call). Empty without tiers."""
+    tiers = kv.tiers
+    if tiers is None or rank_tiers is None or tier_config is None:
+        return {}
+    pool, transfer, ranks = kv.pool, rank_tiers.transfer, tp_size
+    stats: Dict[str, object] = {
+        "device_blocks_used": pool.num_used, "device_blocks_total": pool.num_blocks,
+        "device_queries_total": kv.num_prefix_queries // block_size,
+        "device_hits_total": kv.num_device_hits // block_size,
+        **tiers.usage(),
+        "spilled_bytes_total": transfer.num_bytes_spilled * ranks,
+        "restored_bytes_total": transfer.num_bytes_restored * ranks,
+        "disk_written_bytes_total": transfer.num_bytes_disk_written * ranks,
+        "disk_read_bytes_total": transfer.num_bytes_disk_read * ranks,
+        "transfer_latency_seconds": transfer.transfer_latency.drain(),
+    }
+    if rank_tiers.disk is not None:  # by --disk-kv-dir entry: {dir: bytes}
+        by_dir = disk_bytes_by_dir(tier_config, rank_tiers.disk)
+        stats["disk_dir_written_bytes_total"] = {d: w * ranks for d, (w, _) in by_dir.items()}
+        stats["disk_dir_read_bytes_total"] = {d: r * ranks for d, (_, r) in by_dir.items()}
+    return {f"kv_tier_{key}": value for key, value in stats.items()}
+
 
 def agree_disk_tags(local: Dict[int, int], num_slots: int,
                     cpu_group: Optional[dist.ProcessGroup]) -> Dict[int, int]:
