@@ -4,7 +4,8 @@ rank holds its weights and has run its largest step, as vLLM and SGLang size the
     used      = total - free, measured after the profile step (this rank's weights, the CUDA
                 context, NCCL's buffers, other processes on the GPU)
     budget    = utilization * total - used - peak step memory - sampler reserve
-    num_blocks = budget // bytes per block, the same on every rank of a group (the smallest)
+    num_blocks = budget // bytes per block - 1 (the scratch block), the same on every rank of a
+                 group (the smallest)
 
 The profile step is the largest the scheduler may send: ``max_num_batched_tokens`` tokens, one
 long prefill plus a decoding row for each other sequence up to ``max_num_seqs``, every sequence
@@ -45,9 +46,10 @@ class MemoryProfile:
     sampler_reserve: int
 
     def num_blocks(self, utilization: float, bytes_per_block: int) -> int:
-        """The blocks ``utilization`` of the device leaves room for (0 or less: none)."""
+        """The pool's blocks ``utilization`` of the device leaves room for (0 or less: none),
+        one block kept for the scratch block a pool may have after them (`KVCache`)."""
         budget = int(utilization * self.total) - self.used - self.peak_step - self.sampler_reserve
-        return budget // bytes_per_block
+        return budget // bytes_per_block - 1
 
     def no_room(self, utilization: float) -> str:
         """Why ``utilization`` leaves no room for a block, with the figures."""

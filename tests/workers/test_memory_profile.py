@@ -31,9 +31,13 @@ BACKENDS = ["torch"] + (["triton"] if importlib.util.find_spec("triton") else []
 def test_the_pool_takes_what_the_fraction_leaves_after_use_step_and_sampler():
     profile = MemoryProfile(total=80 * GIB, used=20 * GIB, peak_step=3 * GIB,
                             sampler_reserve=1 * GIB)
-    # 0.9 x 80 = 72 GiB, less 20 in use, 3 for the step, 1 for sampling: 48 GiB of 2 MiB blocks
-    assert profile.num_blocks(0.9, 2 << 20) == 48 * 512
-    assert profile.num_blocks(0.3, 2 << 20) == 0  # 24 GiB: exactly what is already needed
+    # 0.9 x 80 = 72 GiB, less 20 in use, 3 for the step, 1 for sampling: 48 GiB of 2 MiB
+    # blocks, one of them kept for the scratch block
+    assert profile.num_blocks(0.9, 2 << 20) == 48 * 512 - 1
+    for room, pool in ((2 << 20, 0), (4 << 20, 1)):  # 0.5 x 80 = 40 GiB, 4 needed: room left
+        tight = MemoryProfile(total=80 * GIB, used=36 * GIB - room, peak_step=3 * GIB,
+                              sampler_reserve=1 * GIB)
+        assert tight.num_blocks(0.5, 2 << 20) == pool  # one block of room: the scratch block
     assert profile.num_blocks(0.25, 2 << 20) < 0
     message = profile.no_room(0.3)
     for figure in ("--gpu-memory-utilization 0.3", "80.00 GiB", "20.00 GiB are in use",
