@@ -25,7 +25,7 @@ import uuid
 from importlib.metadata import PackageNotFoundError, version as package_version
 from pathlib import Path
 from typing import (Any, AsyncIterator, Awaitable, Callable, Dict, List, Mapping, Optional,
-                    Type)
+                    Sequence, Type)
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -41,7 +41,7 @@ from cluster.grpc_service import GrpcService
 from cluster.group_stream import sampling_params
 from cluster.ingress_metrics import IngressMetrics, RequestTimer
 from cluster.ingress_prompts import PromptCodec
-from cluster.ingress_run import GroupStream, MigrationPolicy, RequestRun
+from cluster.ingress_run import GroupStream, MergedStreams, MigrationPolicy, RequestRun
 from cluster.metrics import GroupRecord, get_metrics_store, router_decision_counts
 from cluster.openai_protocol import (
     ChatFormat,
@@ -258,12 +258,14 @@ class OpenAIIngress:
                        release: Callable[[], None]) -> RequestRun:
         """Tokenize and check a completion request, and send it to a TP group; ``release``
         (the admission slot's) is called when the run ends."""
-        prompt_ids = self.prompts.prompt_ids(body.prompt, body.add_special_tokens)
-        max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids), self.max_model_len,
-                                        default=DEFAULT_COMPLETION_MAX_TOKENS)
+        prompt_ids = [self.prompts.prompt_ids(prompt, body.add_special_tokens)
+                      for prompt in body.prompts]
+        max_tokens = [resolve_max_tokens(body.max_tokens, len(ids), self.max_model_len,
+                                         default=DEFAULT_COMPLETION_MAX_TOKENS)
+                      for ids in prompt_ids]
         fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()),
                                self.served_model_name, body.include_usage)
-        echo = self.prompts.detokenize(prompt_ids) if body.echo else ""
+        echo = [self.prompts.detokenize(ids) for ids in prompt_ids] if body.echo else []
         return self._start(fmt, body, max_tokens, prompt_ids, timer, echo,
                            timeout_s=timeout_s, release=release)
 
@@ -277,7 +279,7 @@ class OpenAIIngress:
                                         prompt_param="messages")
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
                          self.served_model_name, body.include_usage)
-        return self._start(fmt, body, max_tokens, prompt_ids, timer, timeout_s=timeout_s,
+        return self._start(fmt, body, [max_tokens], [prompt_ids], timer, timeout_s=timeout_s,
                            release=release)
 
     def authorize(self, authorization: Optional[str]) -> None:
@@ -355,13 +357,35 @@ class OpenAIIngress:
 
     # ----- running a request -----
 
-    def _start(self, fmt: CompletionFormat, body: Any, max_tokens: int, prompt_ids: List[int],
-               timer: RequestTimer, echo: str = "", *, timeout_s: float,
-               release: Callable[[], None]) -> RequestRun:
-        sampling = body.sampling(max_tokens)
-        self._check_sampling(sampling)
-        self.prompts.check_token_ids(list(sampling["logit_bias"]), "logit_bias")
-        payload = {"request_id": fmt.request_id, "prompt_token_ids": prompt_ids,
+    def _start(self, fmt: CompletionFormat, body: Any, max_tokens: List[int],
+               prompt_ids: List[List[int]], timer: RequestTimer, echo: Sequence[str] = (), *,
+               timeout_s: float, release: Callable[[], None]) -> RequestRun:
+        """Send each prompt (one, or a batch's) to a TP group: one run of all their choices."""
+        samplings = [body.sampling(m) for m in max_tokens]
+        for sampling in samplings:
+            self._check_sampling(sampling)
+        self.prompts.check_token_ids(list(samplings[0]["logit_bias"]), "logit_bias")
+        n, batched = samplings[0]["n"], len(prompt_ids) > 1
+        streams = [self._send(f"{fmt.request_id}-{p}" if batched else fmt.request_id, ids,
+                              sampling, m)
+                   for p, (ids, sampling, m) in enumerate(zip(prompt_ids, samplings, max_tokens))]
+
+        def on_end(run: RequestRun, outcome: Optional[str]) -> None:
+            release()
+            self._record(run, outcome)
+
+        merged = MergedStreams(streams, n) if batched else streams[0]
+        stream = DeadlineStream(merged, timeout_s)  # the deadline covers the migrations too
+        return RequestRun(fmt, stream, timer,  # type: ignore[arg-type]
+                          sum(map(len, prompt_ids)), n * len(prompt_ids),
+                          samplings[0]["logprobs"] is not None, self.prompts.token_text, on_end,
+                          echo=[text for text in echo for _ in range(n)],
+                          continuous_usage=body.continuous_usage)
+
+    def _send(self, request_id: str, prompt_ids: List[int], sampling: Dict[str, Any],
+              max_tokens: int) -> GroupStream:
+        """One prompt to a TP group, routed by its token count and block hashes."""
+        payload = {"request_id": request_id, "prompt_token_ids": prompt_ids,
                    "sampling": sampling}
         n = sampling["n"]
         charge = router_charge(len(prompt_ids), n, max_tokens, self._output_lengths)
@@ -372,17 +396,9 @@ class OpenAIIngress:
             return self._group.generate.remote(sent, num_tokens=charge,
                                                block_hashes=block_hashes)
 
-        def on_end(run: RequestRun, outcome: Optional[str]) -> None:
-            release()
-            self._record(run, outcome)
-
-        migrating = GroupStream(start([]), n, restart=start if self._migration.max_migrations
-                                else None, policy=self._migration,
-                                on_migrate=self.metrics.record_migration)
-        stream = DeadlineStream(migrating, timeout_s)  # the deadline covers the migrations too
-        return RequestRun(fmt, stream, timer, len(prompt_ids), n,  # type: ignore[arg-type]
-                          sampling["logprobs"] is not None, self.prompts.token_text, on_end,
-                          echo=echo, continuous_usage=body.continuous_usage)
+        return GroupStream(start([]), n, restart=start if self._migration.max_migrations
+                           else None, policy=self._migration,
+                           on_migrate=self.metrics.record_migration)
 
     @staticmethod
     async def _respond(run: RequestRun, stream: bool) -> Response:

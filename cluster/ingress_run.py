@@ -170,6 +170,54 @@ class GroupStream:
             self._response.cancel()
 
 
+class MergedStreams:
+    """The chunks of several streams (a batch's prompts) as one, in the order they come; a
+    chunk of stream p has its choice ``index`` moved up by the choices of the streams before it
+    (``num_choices`` each). A failure of one cancels the others."""
+
+    def __init__(self, streams: List[Any], num_choices: int) -> None:
+        self._streams = streams
+        self._num_choices = num_choices
+        self._next: Dict[int, "asyncio.Task[Dict[str, Any]]"] = {}
+        self._ready: List[Dict[str, Any]] = []
+
+    @property
+    def finished(self) -> bool:
+        return not self._ready and all(s.finished for s in self._streams)
+
+    def __aiter__(self) -> "MergedStreams":
+        return self
+
+    async def __anext__(self) -> Dict[str, Any]:
+        while not self._ready:
+            for p, stream in enumerate(self._streams):
+                if p not in self._next and not stream.finished:
+                    self._next[p] = asyncio.ensure_future(stream.__anext__())
+            if not self._next:
+                raise StopAsyncIteration
+            done, _ = await asyncio.wait(self._next.values(), return_when=asyncio.FIRST_COMPLETED)
+            for p, task in sorted(self._next.items()):
+                if task in done:
+                    del self._next[p]
+                    self._take(p, task)
+        return self._ready.pop(0)
+
+    def _take(self, p: int, task: "asyncio.Task[Dict[str, Any]]") -> None:
+        try:
+            chunk = task.result()
+        except BaseException:
+            self.cancel()
+            raise
+        self._ready.append({**chunk, "index": chunk.get("index", 0) + p * self._num_choices})
+
+    def cancel(self) -> None:
+        for task in self._next.values():
+            task.cancel()
+        self._next.clear()
+        for stream in self._streams:
+            stream.cancel()
+
+
 @dataclass
 class _Choice:
     texts: List[str] = field(default_factory=list)
@@ -183,7 +231,7 @@ class _Choice:
 class RequestRun:
     """A request in flight: where its chunks come from and what has been seen of them.
 
-    ``echo`` is text each choice starts with (the prompt, for ``echo``); ``on_end(run,
+    ``echo`` is the text each choice starts with, by choice (its prompt, for ``echo``); ``on_end(run,
     outcome)`` is called once when the request ends (``outcome``: None, "error" or "abort")."""
 
     fmt: CompletionFormat
@@ -194,7 +242,7 @@ class RequestRun:
     want_logprobs: bool
     decode_token: Callable[[int], str]
     on_end: Callable[["RequestRun", Optional[str]], None]
-    echo: str = ""
+    echo: List[str] = field(default_factory=list)  # empty: no echo
     continuous_usage: bool = False
     choices: List[_Choice] = field(default_factory=list)
     is_recorded: bool = False
@@ -252,9 +300,9 @@ class RequestRun:
     async def collect(self) -> Dict[str, Any]:
         """The whole response, once every choice finished."""
         await self.drain()
-        results = [ChoiceResult(self.echo + "".join(c.texts), c.finish_reason,
+        results = [ChoiceResult(self._echo(i) + "".join(c.texts), c.finish_reason,
                                 c.logprobs if self.want_logprobs else None)
-                   for c in self.choices]
+                   for i, c in enumerate(self.choices)]
         return self.fmt.response(results, self.num_prompt_tokens, self.num_output_tokens)
 
     async def first_chunk(self) -> Dict[str, Any]:
@@ -273,7 +321,8 @@ class RequestRun:
             for obj in self.fmt.start(self.num_choices):
                 yield sse_event(obj)
             for index in range(self.num_choices) if self.echo else ():
-                yield sse_event(self.fmt.delta(self.echo, None, index, self._usage_now()))
+                yield sse_event(self.fmt.delta(self._echo(index), None, index,
+                                               self._usage_now()))
             chunk: Optional[Dict[str, Any]] = first
             while chunk is not None:
                 for event in self._chunk_events(chunk):
@@ -304,6 +353,9 @@ class RequestRun:
             events.append(sse_event(self.fmt.finish(choice.finish_reason, index,
                                                     self._usage_now())))
         return events
+
+    def _echo(self, index: int) -> str:
+        return self.echo[index] if self.echo else ""
 
     def _usage_now(self) -> Optional[Dict[str, int]]:
         if not self.continuous_usage:

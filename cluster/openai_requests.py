@@ -32,6 +32,9 @@ _REFUSED_COMMON: Dict[str, Tuple[Any, ...]] = {
     "prompt_embeds": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None,),
     "cache_salt": (None,), "return_token_ids": (None, False),
 }
+# Prompts in one batched /v1/completions request: each is an engine request of its own, routed on
+# its own, so a batch this long is already a burst.
+MAX_BATCH_PROMPTS = 256
 _REFUSED_COMPLETION = {**_REFUSED_COMMON, "suffix": (None, ""), "best_of": (None, 1)}
 _REFUSED_CHAT = {
     **_REFUSED_COMMON, "tools": (None, []), "tool_choice": (None, "none"),
@@ -156,28 +159,33 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: one prompt (text, token ids, or a list holding one of those)."""
+    """``POST /v1/completions``: one prompt (text or token ids), or a batch of them (a list of
+    texts or of token-id lists; each prompt's ``n`` choices come in order, OpenAI's indices)."""
 
     _refused: ClassVar[Dict[str, Tuple[Any, ...]]] = _REFUSED_COMPLETION
 
     prompt: Union[str, List[int], List[str], List[List[int]]] = Field(
-        description="Text, token ids, or a one-element list of either.")
+        description=f"Text, token ids, or a batch of up to {MAX_BATCH_PROMPTS} of either.")
     logprobs: Optional[int] = Field(None, description="Top log-probabilities per token (0-20).")
     echo: bool = Field(False, description="Return the prompt before the completion.")
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> Union[str, List[int]]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError(f"batched prompts are not supported: send one prompt per "
-                                 f"request (got {len(prompt)})")
-            prompt = prompt[0]
-        if not prompt:
-            raise ValueError("prompt is empty")
-        if isinstance(prompt, list) and min(prompt) < 0:
-            raise ValueError("prompt token ids must be non-negative")
-        return prompt
+    def _checked_prompts(cls, prompt: Any) -> Any:
+        batch = _is_batch(prompt)
+        if batch and len(prompt) > MAX_BATCH_PROMPTS:
+            raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts in a batch, got {len(prompt)}")
+        for one in (prompt if batch else [prompt]):
+            if not one:
+                raise ValueError("prompt is empty")
+            if isinstance(one, list) and min(one) < 0:
+                raise ValueError("prompt token ids must be non-negative")
+        return prompt[0] if batch and len(prompt) == 1 else prompt
+
+    @property
+    def prompts(self) -> List[Union[str, List[int]]]:
+        """The prompts in order: one, or the batch's."""
+        return list(self.prompt) if _is_batch(self.prompt) else [self.prompt]  # type: ignore
 
     @model_validator(mode="after")
     def _echo_without_logprobs(self) -> "CompletionRequest":
@@ -189,6 +197,11 @@ class CompletionRequest(_SamplingFields):
 
     def requested_logprobs(self) -> Optional[int]:
         return self.logprobs
+
+
+def _is_batch(prompt: Any) -> bool:
+    """A list of prompts (texts or token-id lists), not one prompt of token ids."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
 
 
 class ContentPart(BaseModel):

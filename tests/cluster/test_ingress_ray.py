@@ -458,6 +458,31 @@ def test_echo_and_sampling_parameters_through_the_openai_client(client, tokenize
     assert penalized.choices[0].text != forced.choices[0].text
 
 
+def test_a_batch_of_prompts_answers_each_as_alone_in_openai_order(client, tokenizer):
+    """Batched prompts (OpenAI's and vLLM's /v1/completions take a list): prompt p's choice j
+    is choices[p * n + j], each equal to the prompt sent alone; usage adds the prompts up.
+    Before, a batch was refused (400)."""
+    prompts = [[5, 6, 7], [40, 41], [9, 10, 11, 12]]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=4, **GREEDY)
+             for p in prompts]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, n=2,
+                                      echo=True, **GREEDY)
+    assert [c.index for c in batch.choices] == list(range(6))
+    for k, choice in enumerate(batch.choices):
+        assert choice.text == tokenizer.decode(prompts[k // 2]) + alone[k // 2].choices[0].text
+    assert batch.usage.prompt_tokens == 9 and batch.usage.completion_tokens == 24
+    texts = client.completions.create(model=MODEL, prompt=["hello world", "hi"], max_tokens=3,
+                                      **GREEDY)
+    assert texts.choices[1].text == client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=3, **GREEDY).choices[0].text
+    streamed = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=4,
+                                           stream=True, **GREEDY):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {p: alone[p].choices[0].text for p in range(3)}
+
+
 def test_stop_string_kept_with_include_stop_str_in_output(client):
     whole = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=12, **GREEDY)
     text = whole.choices[0].text

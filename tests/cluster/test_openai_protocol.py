@@ -51,13 +51,23 @@ def refused(build, **fields) -> ProtocolError:
 ])
 def test_prompt_forms(prompt, expected):
     assert completion(prompt=prompt).prompt == expected
+    assert completion(prompt=prompt).prompts == [expected]
+
+
+@pytest.mark.parametrize("prompt", [["a", "b c"], [[5, 6], [7], [8, 9, 10]]])
+def test_a_batch_of_prompts_keeps_its_order(prompt):
+    # Before: refused ("batched prompts are not supported"), as vLLM and OpenAI take them.
+    assert completion(prompt=prompt).prompts == prompt
 
 
 @pytest.mark.parametrize("prompt,words", [
     ("", "prompt is empty"),
     ([], "prompt is empty"),
     ([[]], "prompt is empty"),
-    (["a", "b"], "one prompt per request"),
+    (["a", ""], "prompt is empty"),
+    ([[5], []], "prompt is empty"),
+    ([[5], [6, -1]], "non-negative"),
+    (["a"] * 257, "at most 256 prompts in a batch, got 257"),
     ([1, "a"], "expected one of str, list[int]"),
     ([3, -1], "non-negative"),
     (7, "expected one of"),
