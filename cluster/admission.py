@@ -59,21 +59,27 @@ class IngressAdmission:
         self.num_in_flight = 0
         self.num_rejected = 0
 
-    def acquire(self) -> Callable[[], None]:
-        """Takes a slot, or raises the 429 when none is free. Returns the slot's release
-        (idempotent: a request releases it once, whichever way it ends)."""
-        if self.num_in_flight >= self.max_in_flight:
+    def acquire(self, count: int = 1, held: int = 0) -> Callable[[], None]:
+        """Takes ``count`` slots for a request that holds ``held`` (a batch of prompts takes
+        one per prompt beyond its request's own), or raises the 429 when they are not free (a
+        400 when they never can be). Returns the slots' release (idempotent: a request releases
+        them once, whichever way it ends)."""
+        if self.num_in_flight + count > self.max_in_flight:
             self.num_rejected += 1
+            if count + held > self.max_in_flight:
+                raise ProtocolError(
+                    f"a batch of {count + held} prompts is more than this server runs at once: "
+                    f"send at most {self.max_in_flight} prompts per request", param="prompt")
             raise overloaded(f"the server is at its limit of {self.max_in_flight} requests in "
                              f"flight; retry after {self.retry_after_s:g} s",
                              self.retry_after_s)
-        self.num_in_flight += 1
+        self.num_in_flight += count
         is_held = True
 
         def release() -> None:
             nonlocal is_held
             if is_held:
                 is_held = False
-                self.num_in_flight -= 1
+                self.num_in_flight -= count
 
         return release

@@ -3,7 +3,8 @@
 Each request is authorized, parsed, tokenized (the checkpoint's tokenizer and chat template) and
 checked against the context length here, so bad input gets a 4xx before anything is routed and
 the router knows the request's token count. It then goes to a TP group through the group
-deployment's handle, ``generate(payload, num_tokens=T, block_hashes=H)``, whose chunks
+deployment's handle, ``generate(payload, num_tokens=T, block_hashes=H)``
+(``cluster.ingress_requests``; a batch of prompts as one request each), whose chunks
 (``cluster.group_stream``) are turned into one OpenAI response or a stream of server-sent events
 ending in ``data: [DONE]``. A client that goes away cancels its handle call, which aborts the
 request in the engine. Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
@@ -24,8 +25,7 @@ import time
 import uuid
 from importlib.metadata import PackageNotFoundError, version as package_version
 from pathlib import Path
-from typing import (Any, AsyncIterator, Awaitable, Callable, Dict, List, Mapping, Optional,
-                    Sequence, Type)
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Mapping, Optional, Type
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -38,10 +38,10 @@ from starlette.exceptions import HTTPException
 
 from cluster.admission import IngressAdmission
 from cluster.grpc_service import GrpcService
-from cluster.group_stream import sampling_params
 from cluster.ingress_metrics import IngressMetrics, RequestTimer
 from cluster.ingress_prompts import PromptCodec
-from cluster.ingress_run import GroupStream, MergedStreams, MigrationPolicy, RequestRun
+from cluster.ingress_requests import GroupRequests
+from cluster.ingress_run import MigrationPolicy, RequestRun
 from cluster.metrics import GroupRecord, get_metrics_store, router_decision_counts
 from cluster.openai_protocol import (
     ChatFormat,
@@ -62,15 +62,12 @@ from cluster.openai_requests import (
     ignored_fields,
 )
 from cluster.openapi_schema import openapi_document
-from cluster.output_length import OutputLengthEstimate, router_charge
 from cluster.request_limits import (
-    DeadlineStream,
     IngressLimits,
     check_declared_length,
     read_body,
     request_timeout_s,
 )
-from kv.prefix_hash import extend_block_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +124,6 @@ class OpenAIIngress:
         if block_size < 1 or max_model_len < 2:
             raise ValueError(f"block_size must be >= 1 and max_model_len >= 2, got "
                              f"{block_size} and {max_model_len}")
-        self._group = group_handle.options(stream=True)
         self.model_dir = str(model_dir)
         self.served_model_name = served_model_name
         self.block_size = block_size
@@ -135,7 +131,6 @@ class OpenAIIngress:
         self._api_key = api_key or None
         self.prompts = PromptCodec(Path(model_dir))
         self.metrics = IngressMetrics(served_model_name, max_model_len, export_to_ray=True)
-        self._output_lengths = OutputLengthEstimate()  # what the router charges for outputs
         self._store = get_metrics_store()
         self._created = int(time.time())
         self._grpc = GrpcService(self)
@@ -145,6 +140,8 @@ class OpenAIIngress:
                                           max_wait_s=self._limits.request_timeout_s)
         self._admission = IngressAdmission(self._limits.max_in_flight,
                                            self._limits.retry_after_s)
+        self._requests = GroupRequests(group_handle, block_size, self.prompts, self.metrics,
+                                       self._migration, self._admission)
         # One ingress per replica process: its /openapi.json names the model it serves.
         app.openapi_schema = None
         app.openapi = lambda: openapi_document(app, [served_model_name])
@@ -266,8 +263,8 @@ class OpenAIIngress:
         fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()),
                                self.served_model_name, body.include_usage)
         echo = [self.prompts.detokenize(ids) for ids in prompt_ids] if body.echo else []
-        return self._start(fmt, body, max_tokens, prompt_ids, timer, echo,
-                           timeout_s=timeout_s, release=release)
+        return self._requests.start(fmt, body, max_tokens, prompt_ids, timer, echo,
+                                    timeout_s=timeout_s, release=release)
 
     def chat_run(self, body: ChatCompletionRequest, timer: RequestTimer, *, timeout_s: float,
                  release: Callable[[], None]) -> RequestRun:
@@ -279,8 +276,8 @@ class OpenAIIngress:
                                         prompt_param="messages")
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
                          self.served_model_name, body.include_usage)
-        return self._start(fmt, body, [max_tokens], [prompt_ids], timer, timeout_s=timeout_s,
-                           release=release)
+        return self._requests.start(fmt, body, [max_tokens], [prompt_ids], timer,
+                                    timeout_s=timeout_s, release=release)
 
     def authorize(self, authorization: Optional[str]) -> None:
         """Checks an ``Authorization`` header's (or gRPC metadata's) value against the key."""
@@ -347,73 +344,11 @@ class OpenAIIngress:
         return self.check_body(parse_request(raw, model))
 
     @staticmethod
-    def _check_sampling(sampling: Dict[str, Any]) -> None:
-        try:
-            sampling_params(sampling)
-        except ValueError as exc:
-            message = str(exc)
-            first_word = message.split(" ", 1)[0].rstrip(":")
-            raise ProtocolError(message, param=first_word if first_word in sampling else None)
-
-    # ----- running a request -----
-
-    def _start(self, fmt: CompletionFormat, body: Any, max_tokens: List[int],
-               prompt_ids: List[List[int]], timer: RequestTimer, echo: Sequence[str] = (), *,
-               timeout_s: float, release: Callable[[], None]) -> RequestRun:
-        """Send each prompt (one, or a batch's) to a TP group: one run of all their choices."""
-        samplings = [body.sampling(m) for m in max_tokens]
-        for sampling in samplings:
-            self._check_sampling(sampling)
-        self.prompts.check_token_ids(list(samplings[0]["logit_bias"]), "logit_bias")
-        n, batched = samplings[0]["n"], len(prompt_ids) > 1
-        streams = [self._send(f"{fmt.request_id}-{p}" if batched else fmt.request_id, ids,
-                              sampling, m)
-                   for p, (ids, sampling, m) in enumerate(zip(prompt_ids, samplings, max_tokens))]
-
-        def on_end(run: RequestRun, outcome: Optional[str]) -> None:
-            release()
-            self._record(run, outcome)
-
-        merged = MergedStreams(streams, n) if batched else streams[0]
-        stream = DeadlineStream(merged, timeout_s)  # the deadline covers the migrations too
-        return RequestRun(fmt, stream, timer,  # type: ignore[arg-type]
-                          sum(map(len, prompt_ids)), n * len(prompt_ids),
-                          samplings[0]["logprobs"] is not None, self.prompts.token_text, on_end,
-                          echo=[text for text in echo for _ in range(n)],
-                          continuous_usage=body.continuous_usage)
-
-    def _send(self, request_id: str, prompt_ids: List[int], sampling: Dict[str, Any],
-              max_tokens: int) -> GroupStream:
-        """One prompt to a TP group, routed by its token count and block hashes."""
-        payload = {"request_id": request_id, "prompt_token_ids": prompt_ids,
-                   "sampling": sampling}
-        n = sampling["n"]
-        charge = router_charge(len(prompt_ids), n, max_tokens, self._output_lengths)
-        block_hashes = extend_block_hashes([], prompt_ids, self.block_size)
-
-        def start(resume: List[int]):  # again, resumed, when the group serving it failed
-            sent = {**payload, "resume_output_ids": resume} if resume else payload
-            return self._group.generate.remote(sent, num_tokens=charge,
-                                               block_hashes=block_hashes)
-
-        return GroupStream(start([]), n, restart=start if self._migration.max_migrations
-                           else None, policy=self._migration,
-                           on_migrate=self.metrics.record_migration)
-
-    @staticmethod
     async def _respond(run: RequestRun, stream: bool) -> Response:
         if stream:
             first = await run.first_chunk()
             return StreamingResponse(run.events(first), media_type="text/event-stream")
         return JSONResponse(await run.collect())
-
-    def _record(self, run: RequestRun, outcome: Optional[str]) -> None:
-        reason = outcome or run.finish_reason or "abort"
-        if outcome is None:  # finished in the group: a sample of how long outputs run
-            for choice in run.choices:
-                if choice.finish_reason is not None:
-                    self._output_lengths.record(choice.num_output_tokens)
-        self.metrics.record(run.timer, run.num_prompt_tokens, run.num_output_tokens, reason)
 
     async def _group_records(self) -> Mapping[str, GroupRecord]:
         try:

@@ -165,3 +165,27 @@ def test_openapi_describes_the_request_bodies_and_errors():
     tokenize = doc["paths"]["/tokenize"]["post"]["requestBody"]["content"]
     assert len(tokenize["application/json"]["schema"]["oneOf"]) == 2
     assert "/detokenize" in doc["paths"] and "/v1/chat/completions" in doc["paths"]
+
+
+def test_a_batch_takes_a_slot_per_prompt():
+    admission = IngressAdmission(4, retry_after_s=1.5)
+    request = admission.acquire()
+    batch = admission.acquire(3, held=1)  # a batch of 4 prompts: its request's slot, 3 more
+    assert admission.num_in_flight == 4
+    with pytest.raises(ProtocolError) as info:
+        admission.acquire(2, held=1)
+    assert info.value.status == 429 and admission.num_in_flight == 4
+    batch()
+    batch()
+    assert admission.num_in_flight == 1
+    with pytest.raises(ProtocolError) as info:  # can never fit: a 400 that says the limit
+        admission.acquire(4, held=1)
+    assert info.value.status == 400 and info.value.param == "prompt"
+    assert "a batch of 5 prompts" in info.value.message and "at most 4" in info.value.message
+    request()
+    assert admission.num_in_flight == 0
+    one = IngressAdmission(1)
+    one.acquire()
+    with pytest.raises(ProtocolError) as info:  # a single request at a full server: a 429
+        one.acquire()
+    assert info.value.status == 429
