@@ -58,9 +58,15 @@ class GroupRequests:
             check_sampling(sampling)
         self.prompts.check_token_ids(list(samplings[0]["logit_bias"]), "logit_bias")
         n, batched = samplings[0]["n"], len(prompt_ids) > 1
-        streams = [self._send(f"{fmt.request_id}-{p}" if batched else fmt.request_id, ids,
-                              sampling, m)
-                   for p, (ids, sampling, m) in enumerate(zip(prompt_ids, samplings, max_tokens))]
+        streams: List[GroupStream] = []
+        try:
+            for p, (ids, sampling, m) in enumerate(zip(prompt_ids, samplings, max_tokens)):
+                streams.append(self._send(f"{fmt.request_id}-{p}" if batched
+                                          else fmt.request_id, ids, sampling, m))
+        except BaseException:  # the prompts already sent are aborted in their groups
+            for stream in streams:
+                stream.cancel()
+            raise
 
         def on_end(run: RequestRun, outcome: Optional[str]) -> None:
             release()

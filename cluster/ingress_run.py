@@ -231,8 +231,9 @@ class _Choice:
 class RequestRun:
     """A request in flight: where its chunks come from and what has been seen of them.
 
-    ``echo`` is the text each choice starts with, by choice (its prompt, for ``echo``); ``on_end(run,
-    outcome)`` is called once when the request ends (``outcome``: None, "error" or "abort")."""
+    ``echo`` is the text each choice starts with, by choice (its prompt, for ``echo``);
+    ``on_end(run, outcome)`` is called once when the request ends (``outcome``: None, "error"
+    or "abort")."""
 
     fmt: CompletionFormat
     stream: GroupStream

@@ -51,10 +51,10 @@ def test_an_allocator_for_another_formation_is_replaced_once_nothing_holds_it(lo
 def test_a_refusal_stays_in_the_status_after_the_refused_replica_goes(local_ray):
     kill_group_allocator()  # a fresh plan: one group of one CPU rank
     allocator = get_group_allocator(FormationConfig(tp_size=1, num_groups=1, cpus_per_rank=0.5))
-    holder = Replica.remote()
+    holder, refused = Replica.remote(), Replica.remote()
     ray.get(allocator.claim.remote("replica-a", holder))
     with pytest.raises(ray.exceptions.RayTaskError, match="replica-b has no planned group"):
-        ray.get(allocator.claim.remote("replica-b", Replica.remote()))
+        ray.get(allocator.claim.remote("replica-b", refused))
     # The refused replica's teardown gives back what it holds. Before, that dropped its refusal
     # too, so `tpserve status` showed no error seconds after the refusal while Serve went on
     # starting replicas that the plan cannot place.
@@ -65,10 +65,10 @@ def test_a_refusal_stays_in_the_status_after_the_refused_replica_goes(local_ray)
     # Replicas refused one after another are all shown, the latest few of them.
     for k in range(40):
         with pytest.raises(ray.exceptions.RayTaskError):
-            ray.get(allocator.claim.remote(f"replica-c{k}", Replica.remote()))
+            ray.get(allocator.claim.remote(f"replica-c{k}", refused))
     refusals = ray.get(allocator.status.remote())["refusals"]
     assert [r["replica"] for r in refusals] == [f"replica-c{k}" for k in range(24, 40)]
     # A claim that succeeds again (the group given back, or a node joined) clears them.
     ray.kill(holder)
-    ray.get(allocator.claim.remote("replica-d", Replica.remote()))
+    ray.get(allocator.claim.remote("replica-d", refused))
     assert ray.get(allocator.status.remote())["refusals"] == []
