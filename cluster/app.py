@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, Optional, Tuple
 
 from ray import serve
@@ -27,14 +27,7 @@ from cluster.formation import FormationConfig
 from cluster.group_deployment import GroupResources, PlannedPlacement, TPGroupServer
 from cluster.ingress import build_ingress
 from cluster.kv_router import KVAwareRouter
-from cluster.placement import (
-    DEFAULT_LOAD_SCALE,
-    DEFAULT_LOAD_WEIGHT,
-    DEFAULT_MAX_REPORT_AGE_S,
-    DEFAULT_PREFIX_WEIGHT,
-    DEFAULT_QUEUE_WEIGHT,
-    DEFAULT_TARGET_OCCUPANCY,
-)
+from cluster.placement import DEFAULT_MAX_REPORT_AGE_S
 from cluster.request_limits import MIB, IngressLimits
 from cluster.router_settings import RouterSettings
 from workers.config import EngineConfig
@@ -228,37 +221,18 @@ def group_placement_options(resources: GroupResources, tp_size: int, strategy: s
                                   "num_gpus": resources.gpus_per_rank}}
 
 
-def kv_aware_router_config(
-    target_occupancy: float = DEFAULT_TARGET_OCCUPANCY,
-    stats_period_s: float = 0.5,
-    stats_timeout_s: Optional[float] = None,
-    max_report_age_s: Optional[float] = None,
-    block_size: Optional[int] = None,
-    num_decision_times: int = 4096,
-    prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
-    load_weight: float = DEFAULT_LOAD_WEIGHT,
-    queue_weight: float = DEFAULT_QUEUE_WEIGHT,
-    load_scale: str = DEFAULT_LOAD_SCALE,
-) -> RequestRouterConfig:
-    """The ``request_router_config`` of a group deployment, validated here rather than in the
-    first caller. ``max_report_age_s`` defaults to the larger of 5 s and ten stats periods, and
-    a charge no report lists expires after twice that; ``block_size`` is the one the callers'
+def kv_aware_router_config(stats_period_s: float = 0.5, stats_timeout_s: Optional[float] = None,
+                           **settings: Any) -> RequestRouterConfig:
+    """The ``request_router_config`` of a group deployment, its ``settings`` (`RouterSettings`'
+    fields; the rest at their defaults) validated here rather than in the first caller.
+    ``max_report_age_s`` defaults to the larger of 5 s and ten stats periods, and a charge no
+    report lists expires after twice that; ``block_size`` is the one the callers'
     ``block_hashes`` use (by default, the groups'); the weights are `rank_groups`' (load_weight
     0: the strict prefix-first order)."""
-    if max_report_age_s is None:
-        max_report_age_s = max(DEFAULT_MAX_REPORT_AGE_S, 10 * stats_period_s)
-    kwargs: Dict[str, Any] = dict(
-        target_occupancy=target_occupancy,
-        max_report_age_s=max_report_age_s,
-        charge_ttl_s=2 * max_report_age_s,
-        block_size=block_size,
-        num_decision_times=num_decision_times,
-        prefix_weight=prefix_weight,
-        load_weight=load_weight,
-        queue_weight=queue_weight,
-        load_scale=load_scale,
-    )
-    RouterSettings(**kwargs)  # raises ValueError now, not on the first request
+    settings.setdefault("max_report_age_s", max(DEFAULT_MAX_REPORT_AGE_S, 10 * stats_period_s))
+    settings.setdefault("charge_ttl_s", 2 * settings["max_report_age_s"])
+    # raises ValueError now, not on the first request
+    kwargs: Dict[str, Any] = asdict(RouterSettings(**settings))
     return RequestRouterConfig(
         request_router_class=KVAwareRouter,
         request_router_kwargs=kwargs,

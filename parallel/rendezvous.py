@@ -66,7 +66,7 @@ def listening_store(init_method: str, listen_fd: int, world_size: int, timeout: 
                           wait_for_workers=False, master_listen_fd=os.dup(listen_fd))
     waiting = [_ANNOUNCED.format(rank) for rank in range(1, world_size)]
     deadline = time.monotonic() + timeout.total_seconds()
-    while waiting:
+    while True:
         waiting = [key for key in waiting if not store.check([key])]
         if not waiting:
             break

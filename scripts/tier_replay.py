@@ -181,7 +181,5 @@ def _drain(engine: LLMEngine, prompt: List[int], max_tokens: int) -> None:
 def _step(engine: LLMEngine, next_arrival_in: Optional[float] = None) -> List[RequestOutput]:
     """One engine step; first, while only spills that ``--kv-spill-gbps`` holds back are left,
     a wait for the bound (or the next arrival, if sooner) instead of an empty step."""
-    wait_s = engine.idle_wait_s()
-    if wait_s > 0:
-        time.sleep(wait_s if next_arrival_in is None else max(0.0, min(wait_s, next_arrival_in)))
+    engine.wait_while_idle(None if next_arrival_in is None else max(0.0, next_arrival_in))
     return engine.step()

@@ -246,6 +246,15 @@ class LLMEngine:
             return 0.0
         return min(tiers.paced_wait_s(), self.config.step_timeout_s / 3)
 
+    def wait_while_idle(self, max_s: Optional[float] = None) -> None:
+        """Sleep ``idle_wait_s()`` (at most ``max_s``) before the next step, instead of an
+        empty one, for callers that step the engine in a loop of their own."""
+        wait_s = self.idle_wait_s()
+        if max_s is not None:
+            wait_s = min(wait_s, max_s)
+        if wait_s > 0:
+            time.sleep(wait_s)
+
     # ----- stepping -----
 
     def step(self) -> List[RequestOutput]:

@@ -92,10 +92,10 @@ def fit_context_to_pool(config: EngineConfig, wanted: int, num_blocks: int) -> i
     pool_tokens = num_blocks * config.block_size
     if pool_tokens >= wanted:
         return wanted
-    source = pool_source(config, num_blocks)
-    pool = (f"the KV pool ({source}: {num_blocks} blocks of {config.block_size} tokens) holds "
-            f"{pool_tokens} tokens")
-    if source.startswith("--gpu-memory-utilization"):
+    by_fraction = sized_by_fraction(config, num_blocks)
+    pool = (f"the KV pool ({pool_source(config, by_fraction)}: {num_blocks} blocks of "
+            f"{config.block_size} tokens) holds {pool_tokens} tokens")
+    if by_fraction:
         fix = "raise --gpu-memory-utilization (or --tp: each rank then holds less of the model)"
     else:
         fix = f"set --kv-blocks to at least {-(-wanted // config.block_size)}"
@@ -113,10 +113,15 @@ def fit_context_to_pool(config: EngineConfig, wanted: int, num_blocks: int) -> i
     return pool_tokens
 
 
-def pool_source(config: EngineConfig, num_blocks: int) -> str:
-    """The option that sized a pool of ``num_blocks``, as the user wrote it."""
+def sized_by_fraction(config: EngineConfig, num_blocks: int) -> bool:
+    """Whether ``--gpu-memory-utilization`` decided a pool of ``num_blocks`` (not its cap)."""
     capped = config.num_kv_blocks is not None and num_blocks >= config.num_kv_blocks
-    if config.gpu_memory_utilization is not None and not capped:
+    return config.gpu_memory_utilization is not None and not capped
+
+
+def pool_source(config: EngineConfig, by_fraction: bool) -> str:
+    """The option that sized the pool, as the user wrote it."""
+    if by_fraction:
         return f"--gpu-memory-utilization {config.gpu_memory_utilization:g}"
     if config.num_kv_blocks is not None:
         return f"--kv-blocks {config.num_kv_blocks}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import List, Sequence, Union
 
 from workers.config import EngineConfig
@@ -29,9 +28,7 @@ class LLM:
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         final: dict = {}
         while self.engine.has_unfinished():
-            wait_s = self.engine.idle_wait_s()  # > 0: only spills held back by their bound left
-            if wait_s > 0:
-                time.sleep(wait_s)
+            self.engine.wait_while_idle()  # only spills held back by their bound left
             for out in self.engine.step():
                 if out.finished:
                     final[out.request_id, out.index] = out

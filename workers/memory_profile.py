@@ -84,15 +84,13 @@ def plan_blocks(plan: StepPlan) -> int:
 def run_profile_step(model, spec: KVCacheSpec, device: torch.device, plan: StepPlan,
                      max_model_len: int) -> torch.Tensor:
     """Run ``plan`` through ``model`` into a KV cache of its own (``spec`` with the plan's
-    blocks), freed afterwards; returns the logits."""
+    blocks), dropped afterwards with its runner; returns the logits."""
     cache_spec = KVCacheSpec(spec.num_layers, plan_blocks(plan), spec.block_size,
                              spec.num_kv_heads, spec.head_dim, spec.dtype)
     cache = KVCache(cache_spec, device, with_scratch_block=model.attention.reads_block_tables)
     runner = ModelRunner(model, cache, device, max_model_len, cuda_graphs=False,
                          max_graph_batch=len(plan.seqs))
-    logits = runner.execute(plan)
-    runner.execute(StepPlan(freed_ids=tuple(step.seq_id for step in plan.seqs)))
-    return logits
+    return runner.execute(plan)
 
 
 def profile_memory(model, spec: KVCacheSpec, device: torch.device, plan: StepPlan,
