@@ -3,14 +3,19 @@ sent through the group deployment's handle, routed by its token count and block 
 (``generate(payload, num_tokens=T, block_hashes=H)``), and read back as one `RequestRun`.
 
 A batch holds a generation slot per prompt (`IngressAdmission`), its prompts run as separate
-engine requests (``<id>-<p>``) whose chunks are merged (`MergedStreams`). What the router is
+engine requests (``<id>-<p>``) whose chunks are merged (`MergedStreams`). Each prompt's call
+also gets a Serve request id of its own: Serve and the KV-aware router key a routed call by the
+HTTP request's id, which all the calls made in that request share. What the router is
 charged for a request's output comes from the lengths of finished ones (`OutputLengthEstimate`).
 """
 
 from __future__ import annotations
 
+import contextvars
+import uuid
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster.admission import IngressAdmission
@@ -62,7 +67,7 @@ class GroupRequests:
         try:
             for p, (ids, sampling, m) in enumerate(zip(prompt_ids, samplings, max_tokens)):
                 streams.append(self._send(f"{fmt.request_id}-{p}" if batched
-                                          else fmt.request_id, ids, sampling, m))
+                                          else fmt.request_id, ids, sampling, m, batched))
         except BaseException:  # the prompts already sent are aborted in their groups
             for stream in streams:
                 stream.cancel()
@@ -94,8 +99,9 @@ class GroupRequests:
         return release_all
 
     def _send(self, request_id: str, prompt_ids: List[int], sampling: Dict[str, Any],
-              max_tokens: int) -> GroupStream:
-        """One prompt to a TP group, routed by its token count and block hashes."""
+              max_tokens: int, own_serve_id: bool = False) -> GroupStream:
+        """One prompt to a TP group, routed by its token count and block hashes; with
+        ``own_serve_id`` (a batch's prompt), as a Serve request of its own."""
         payload = {"request_id": request_id, "prompt_token_ids": prompt_ids,
                    "sampling": sampling}
         n = sampling["n"]
@@ -104,8 +110,9 @@ class GroupRequests:
 
         def start(resume: List[int]):  # again, resumed, when the group serving it failed
             sent = {**payload, "resume_output_ids": resume} if resume else payload
-            return self._group.generate.remote(sent, num_tokens=charge,
-                                               block_hashes=block_hashes)
+            call = lambda: self._group.generate.remote(sent, num_tokens=charge,  # noqa: E731
+                                                       block_hashes=block_hashes)
+            return in_own_serve_request(call) if own_serve_id else call()
 
         return GroupStream(start([]), n, restart=start if self._migration.max_migrations
                            else None, policy=self._migration,
@@ -118,6 +125,17 @@ class GroupRequests:
                 if choice.finish_reason is not None:
                     self._output_lengths.record(choice.num_output_tokens)
         self.metrics.record(run.timer, run.num_prompt_tokens, run.num_output_tokens, reason)
+
+
+def in_own_serve_request(call: Callable[[], Any]) -> Any:
+    """``call()`` (a handle call) under a Serve request id of its own, in a copy of the
+    request's context: the calls of one HTTP request otherwise share its id, and Serve's
+    routing and the KV-aware router's charges (`cluster.group_deployment.serve_routing_id`)
+    would take them for one call (a batch's second prompt was never routed)."""
+    def run() -> Any:
+        serve.context._set_request_context(_internal_request_id=uuid.uuid4().hex)
+        return call()
+    return contextvars.copy_context().run(run)
 
 
 def check_sampling(sampling: Dict[str, Any]) -> None:

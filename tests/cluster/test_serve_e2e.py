@@ -103,6 +103,20 @@ def test_greedy_completions_equal_transformers(client, tiny_llama, expected):
         assert out.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
 
 
+def test_a_batch_of_prompts_through_the_kv_aware_router_equals_transformers(client, tiny_llama,
+                                                                          expected):
+    # Each prompt is routed as a Serve call of its own. Before, the calls shared the HTTP
+    # request's Serve id, and the second prompt was never routed: the request hung.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    out = client.with_options(timeout=60, max_retries=0).completions.create(
+        model="tiny", prompt=PROMPTS, max_tokens=MAX_NEW, temperature=0.0)
+    assert [c.text for c in out.choices] == [tokenizer.decode(want, skip_special_tokens=True)
+                                             for want in expected]
+    assert out.usage.completion_tokens == sum(map(len, expected))
+
+
 def test_text_prompt_chat_and_streaming(client):
     text = client.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=4,
                                      temperature=0.0)
