@@ -6,7 +6,8 @@
          + every group's cached prefix of H in one walk (`PrefixIndex`)
          -> rank_groups -> [[best replica], [next], ..., [replicas without a report]]
             (the same ranking by `cluster.uniform_rank.rank_uniform` for fleets of 24+ groups
-            with one pool size and fresh reports: no Python pass over every group)
+            with one pool size and fresh reports: no Python pass over every group, the order
+            by committed blocks kept in `FleetLoads.kept` and moved with each charge)
          and T is charged to the first choice at once (the rest of a burst must see it)
       -> Serve tries the ranks in order (a full replica, by its queue length, is passed over)
       -> on_request_routed: a replica accepted it; count the reason, move the charge there
@@ -82,7 +83,7 @@ from cluster.metrics import register_router_decisions
 from cluster.placement import GroupLoad, Placement, RequestDemand, rank_groups
 from cluster.prefix_index import PrefixIndex
 from cluster.router_settings import RouterSettings
-from cluster.uniform_rank import rank_uniform
+from cluster.uniform_rank import UniformRanking, rank_uniform
 from kv.prefix_hash import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -115,11 +116,14 @@ def _register(router: "KVAwareRouter") -> None:
         module._live_routers.add(router)
 
 
-# From this many groups up a decision ranks with rank_uniform (a C-level sort, the groups with a
-# longer prefix scored alone); below, rank_groups' pass over every group costs less than
-# rank_uniform's fixed work. scripts/bench_router.py, p50 us hot / cold, rank_groups against
-# rank_uniform: 8 groups 14.7 / 79.6 against 20.4 / 96.4; 16 groups 19.6 / 101.5 against
-# 23.1 / 102.4; 32 groups 29.8 / 129.2 against 25.4 / 112.2.
+# From this many groups up a decision ranks with rank_uniform (the kept order, the groups with a
+# longer prefix scored alone); below, rank_groups' pass over every group costs about as much.
+# scripts/bench_router.py, p50 us hot / cold, rank_groups against rank_uniform when rank_uniform
+# still sorted per decision: 8 groups 14.7 / 79.6 against 20.4 / 96.4; 16 groups 19.6 / 101.5
+# against 23.1 / 102.4; 32 groups 29.8 / 129.2 against 25.4 / 112.2. With the kept order (this
+# threshold and 1, same session, on a host where pow2's own cold figure varied 16-39 us):
+# 2 groups 12.1 / 74.6 against 16.0 / 99.7, 8 groups 18.1 / 102.7 against 14.4 / 98.5: within
+# that noise, so the threshold stays.
 _UNIFORM_MIN_GROUPS = 24
 
 
@@ -137,8 +141,12 @@ class _PendingDecision:
     def tokens_on(self, group_id: str) -> int:
         """What the request adds to ``group_id``'s pool: its tokens less the blocks of its prefix
         the group has cached (as ranked; all of them where it was not ranked)."""
-        cached = next((p.cached_prefix_blocks or 0 for p in self.placements or ()
-                       if p.group_id == group_id), 0)
+        placements = self.placements
+        if isinstance(placements, UniformRanking):
+            cached = placements.cached_blocks_of(group_id)
+        else:
+            cached = next((p.cached_prefix_blocks or 0 for p in placements or ()
+                           if p.group_id == group_id), 0)
         return max(0, self.num_tokens - cached * self.block_size)
 
 
@@ -254,17 +262,13 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return None, _PendingDecision(0, None, FALLBACK_BAD_DEMAND)
         settings = self._settings
         placements: Sequence[Placement]
-        if (fleet.uniform and not settings.queue_weight
-                and len(loads) >= _UNIFORM_MIN_GROUPS):  # no Python pass over every group
-            base, named = self._prefix_index.prefix_split(demand.block_hashes, fleet.bits)
-            position = fleet.position
+        if fleet.kept is not None:  # a large uniform fleet: no Python pass over every group
+            base, longer = self._prefix_index.prefix_split(demand.block_hashes, fleet.bits,
+                                                           fleet.index_of_bit)
             placements = rank_uniform(
-                demand, loads, fleet.gid_order, base,
-                {position[group_id]: held for group_id, held in named.items()},
-                settings.target_occupancy, settings.prefix_weight, settings.load_weight,
-                settings.load_scale)
-            replicas = fleet.replicas
-            ranks = [[replicas[i]] for i in placements.order]
+                demand, loads, fleet.kept, base, longer, settings.target_occupancy,
+                settings.prefix_weight, settings.load_weight, settings.load_scale)
+            ranks = list(map(fleet.ranks.__getitem__, placements.order))
         else:
             placements = rank_groups(
                 demand, loads, settings.target_occupancy, settings.max_report_age_s,
@@ -294,10 +298,15 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             changed.clear()
             return fleet
         changed.clear()
-        fleet = FleetLoads(candidate_replicas, self._tracker_of, now, max_age_s)
+        fleet = FleetLoads(candidate_replicas, self._tracker_of, now, max_age_s,
+                           self._uniform_from())
         # Only Serve's list is replaced on every update; a list of the caller's may change in place.
         self._fleet_cache = fleet if candidate_replicas is self._replicas_list else None
         return fleet
+
+    def _uniform_from(self) -> Optional[int]:
+        """The fewest groups ranked by rank_uniform (None: never, with a queue score)."""
+        return None if self._settings.queue_weight else _UNIFORM_MIN_GROUPS
 
     def _demand(
         self, request_kwargs: Mapping[str, Any], num_tokens: Any, groups_block_size: int
@@ -345,7 +354,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # New reports arrive with replica updates: parse them here, off the decision path, into
         # the loads the decisions use until the next update.
         self._fleet_cache = FleetLoads(self._replicas_list, self._tracker_of, now,
-                                       self._settings.max_report_age_s)
+                                       self._settings.max_report_age_s, self._uniform_from())
         self._changed.clear()
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequ
 
 from cluster.placement import DEFAULT_MAX_REPORT_AGE_S, GroupLoad
 from cluster.prefix_index import PrefixIndex
-from cluster.uniform_rank import is_uniform
+from cluster.uniform_rank import CommittedOrder, is_uniform
 from kv.prefix_hash import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -136,6 +136,15 @@ class ReplicaLoadTracker:
             self._load_built_at = now
         return self._load
 
+    def committed_blocks(self) -> int:
+        """``GroupLoad._num_blocks_committed`` of the load now, without building one (the router
+        moves a uniform fleet's `CommittedOrder` with it on every charge); needs a report."""
+        report = self._report
+        assert report is not None, "committed_blocks() needs a report"
+        size = report.block_size
+        return (report.num_blocks_used + -(-report.num_waiting_tokens // size)
+                + -(-self.num_tokens_sent // size))
+
     def current_load(self, now: float) -> Optional[GroupLoad]:
         """The load at ``now`` without touching any state (for readers on other threads)."""
         report = self._report
@@ -239,21 +248,28 @@ class FleetLoads:
     replica or report update) is the same object and no report can have turned stale since it
     was built (ages only matter against ``max_report_age_s``). Replicas are anything with
     ``replica_id.unique_id`` and ``routing_stats``; a replica whose report says its engine died
-    (``"engine_alive": false``) is counted in ``num_dead`` and left out."""
+    (``"engine_alive": false``) is counted in ``num_dead`` and left out.
 
-    __slots__ = ("replicas_list", "built_at", "loads", "replicas", "by_group", "position",
-                 "gid_order", "bits", "uniform", "unreported", "num_dead",
+    A fleet the router ranks with `cluster.uniform_rank.rank_uniform` (``uniform_from`` groups
+    or more, and `is_uniform`) keeps its current committed blocks in ``kept`` (a
+    `CommittedOrder`) and its ``loads`` as the reports left them; any other fleet has its
+    ``loads`` patched and ``kept`` None."""
+
+    __slots__ = ("replicas_list", "built_at", "loads", "replicas", "ranks", "by_group",
+                 "position", "index_of_bit", "bits", "kept", "unreported", "num_dead",
                  "_oldest_fresh_age_s")
 
     def __init__(self, replicas_list: Sequence[Any],
                  tracker_of: Callable[[Any], "ReplicaLoadTracker"], now: float,
-                 max_report_age_s: float) -> None:
+                 max_report_age_s: float, uniform_from: Optional[int] = None) -> None:
         self.replicas_list = replicas_list  # compared by identity
         self.built_at = now
         self.loads: List[GroupLoad] = []
         self.replicas: List[Any] = []  # loads[i] is replicas[i]'s
+        self.ranks: List[List[Any]] = []  # [replicas[i]]: a rank of one, as Serve takes it
         self.by_group: Dict[str, Any] = {}
         self.position: Dict[str, int] = {}  # group id -> index in loads
+        self.index_of_bit: Dict[int, int] = {}  # prefix-index bit -> index in loads
         self.unreported: List[Any] = []
         self.num_dead = 0
         self.bits = 0  # the prefix-index bits of the groups in loads
@@ -269,19 +285,19 @@ class FleetLoads:
                 self.unreported.append(replica)
                 continue
             self.bits |= tracker.bit
-            self.position[load.group_id] = len(self.loads)
+            self.index_of_bit[tracker.bit] = self.position[load.group_id] = len(self.loads)
             self.loads.append(load)
             self.replicas.append(replica)
+            self.ranks.append([replica])
             self.by_group[load.group_id] = replica
             if oldest < load.report_age_s <= max_report_age_s:
                 oldest = load.report_age_s
         self._oldest_fresh_age_s = oldest
-        # the indices of loads by group id (a patch replaces a group's load, never its id)
-        self.gid_order = sorted(range(len(self.loads)), key=lambda i: self.loads[i].group_id)
-        # rank_uniform may rank these loads. A patch changes charges only: a group's pool, block
-        # size and report come with a new replica list (a new FleetLoads), and holds_until keeps
-        # fresh reports fresh until then.
-        self.uniform = is_uniform(self.loads, max_report_age_s)
+        # A patch changes charges only: a group's pool, block size and report come with a new
+        # replica list (a new FleetLoads), and holds_until keeps fresh reports fresh until then.
+        uniform = (uniform_from is not None and len(self.loads) >= uniform_from
+                   and is_uniform(self.loads, max_report_age_s))
+        self.kept = CommittedOrder(self.loads) if uniform else None
 
     def holds_until(self, now: float, max_report_age_s: float) -> bool:
         """Whether every fresh report it holds is still fresh at ``now`` (stale ones stay so)."""
@@ -290,9 +306,13 @@ class FleetLoads:
     def patch(self, trackers: Mapping[str, "ReplicaLoadTracker"], changed: Set[str],
               now: float) -> None:
         """Take the new loads of the ``changed`` groups (each had a report, so has a load)."""
+        kept = self.kept
         for group_id in changed:
             i = self.position.get(group_id)
             tracker = trackers.get(group_id)
             if i is None or tracker is None:
                 continue  # not in this list (or gone: a replica update follows)
-            self.loads[i] = tracker.observe(self.replicas[i].routing_stats, now)
+            if kept is not None:
+                kept.set(i, tracker.committed_blocks())
+            else:
+                self.loads[i] = tracker.observe(self.replicas[i].routing_stats, now)

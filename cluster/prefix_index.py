@@ -25,7 +25,7 @@ prefix). Not thread-safe: the router calls it from its event loop only.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from kv.prefix_hash import BlockHash
 
@@ -94,19 +94,23 @@ class PrefixIndex:
         for position in range(1, len(hashes)):
             mask = alive & masks.get(hashes[position], 0)
             if mask != alive:
-                self._name(alive & ~mask, position, found)
+                _name(self._group_of_bit, alive & ~mask, position, found)
                 alive = mask
                 if not alive:
                     return found
-        self._name(alive, len(hashes), found)
+        _name(self._group_of_bit, alive, len(hashes), found)
         return found
 
-    def prefix_split(self, hashes: Sequence[BlockHash], among: int) -> Tuple[int, Dict[str, int]]:
+    def prefix_split(self, hashes: Sequence[BlockHash], among: int,
+                     names: Optional[Mapping[int, Any]] = None) -> Tuple[int, Dict[Any, int]]:
         """For the groups whose bits are set in ``among``: the fewest leading ``hashes`` any of
         them holds (the base: 0, or say a system prompt they all hold), and each group holding
         more, with how many it holds. Only the groups that outlast the base are named, so a walk
-        costs O(request blocks + those groups), however many groups share the base."""
-        found: Dict[str, int] = {}
+        costs O(request blocks + those groups), however many groups share the base. A group is
+        named by its id, or by ``names[its bit]`` (the router names them by their index in its
+        loads)."""
+        names = self._group_of_bit if names is None else names
+        found: Dict[Any, int] = {}
         if not hashes or not among:
             return 0, found
         masks = self._masks
@@ -120,18 +124,20 @@ class PrefixIndex:
                 if base is None:
                     base = position  # the groups dropping first hold the base
                 else:
-                    self._name(alive & ~mask, position, found)
+                    _name(names, alive & ~mask, position, found)
                 alive = mask
                 if not alive:
                     return base, found
         if base is None:
             return len(hashes), found
-        self._name(alive, len(hashes), found)
+        _name(names, alive, len(hashes), found)
         return base, found
 
-    def _name(self, bits: int, length: int, found: Dict[str, int]) -> None:
-        group_of_bit = self._group_of_bit
-        while bits:
-            low = bits & -bits
-            found[group_of_bit[low]] = length
-            bits ^= low
+
+
+def _name(names: Mapping[Any, Any], bits: int, length: int, found: Dict[Any, int]) -> None:
+    """``found[names[bit]] = length`` for each bit set in ``bits``."""
+    while bits:
+        low = bits & -bits
+        found[names[low]] = length
+        bits ^= low

@@ -13,38 +13,71 @@ size, every report is fresh and the queue score is off (``queue_weight`` 0):
 * Only the groups that hold more than the base (a conversation's own history: a few) need a
   score of their own; each is inserted into that order by binary search.
 
-So a decision costs one C-level sort of the group indices by committed blocks and O(log G) key
-computations per longer-prefix group, given the base and those groups
-(`PrefixIndex.prefix_split`: one walk that names only the groups outlasting the base). Scores are the
-same floating-point expressions as `rank_groups`' (a test checks the two rankings are equal on
-generated fleets); outside those conditions (``is_uniform``) the caller ranks with
+That order does not depend on the request, so it is kept between decisions (`CommittedOrder`,
+one per `cluster.load_report.FleetLoads`, moved one group at a time as charges change it): a
+decision copies it and computes keys for the longer-prefix groups and O(log G) others, given the
+base and those groups (`PrefixIndex.prefix_split`: one walk that names only the groups outlasting
+the base). Why kept, not sorted per decision: a decision runs between engine steps with cold
+caches, where reading every group's load for a sort cost more than the whole rest of the ranking
+(README, ``scripts/bench_router.py``).
+
+Scores are the same floating-point expressions as `rank_groups`' (a test checks the two rankings
+are equal on generated fleets); outside those conditions (``is_uniform``) the caller ranks with
 `rank_groups`. The result is `UniformRanking`, a sequence of the same `Placement`s, built only
 for the positions read (the router reads the first, and the group that accepts).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from operator import attrgetter
 from typing import Dict, Iterator, List, Mapping, Sequence, Tuple
 
 from cluster.placement import _REASONS, GroupLoad, Placement, RequestDemand
 
-_COMMITTED = attrgetter("_num_blocks_committed")
 _TOTAL = attrgetter("num_blocks_total")
 _BLOCK_SIZE = attrgetter("block_size")
 _AGE = attrgetter("report_age_s")
+
+
+class CommittedOrder:
+    """The indices of a fleet's loads by committed blocks, then group id (``order``), with each
+    group's committed blocks (``committed``), kept as charges move them (`set`)."""
+
+    __slots__ = ("order", "committed", "_keys", "_tie")
+
+    def __init__(self, loads: Sequence[GroupLoad]) -> None:
+        n = len(loads)
+        self._tie = [0] * n  # the index's place by group id
+        for place, i in enumerate(sorted(range(n), key=lambda i: loads[i].group_id)):
+            self._tie[i] = place
+        self.committed = [load._num_blocks_committed for load in loads]
+        # one int per group that sorts as (committed, group id) does
+        self._keys = [c * n + t for c, t in zip(self.committed, self._tie)]
+        self.order = sorted(range(n), key=self._keys.__getitem__)
+
+    def set(self, i: int, committed: int) -> None:
+        """Group ``i`` now has ``committed`` blocks: move it to its place (O(log G) + a shift)."""
+        if committed == self.committed[i]:
+            return
+        keys, order = self._keys, self.order
+        del order[bisect_left(order, keys[i], key=keys.__getitem__)]
+        self.committed[i] = committed
+        keys[i] = committed * len(keys) + self._tie[i]
+        insort(order, i, key=keys.__getitem__)
 
 
 class UniformRanking(Sequence[Placement]):
     """``rank_groups``' result for a uniform fleet: ``order[k]`` is the index (into the loads) of
     the group ranked k-th, and item k its `Placement`, made when read."""
 
-    __slots__ = ("order", "_loads", "_committed", "_prefix", "_num_blocks", "_total", "_target")
+    __slots__ = ("order", "_loads", "_committed", "_prefix", "_base", "_num_blocks", "_total",
+                 "_target")
 
     def __init__(self, order: List[int], loads: Sequence[GroupLoad], committed: List[int],
-                 prefix: Dict[int, int], num_blocks: int, target: float) -> None:
+                 prefix: Dict[int, int], base: int, num_blocks: int, target: float) -> None:
         self.order = order
-        self._loads, self._committed, self._prefix = loads, committed, prefix
+        self._loads, self._committed, self._prefix, self._base = loads, committed, prefix, base
         self._num_blocks, self._total, self._target = num_blocks, loads[0].num_blocks_total, target
 
     def __len__(self) -> int:
@@ -58,8 +91,16 @@ class UniformRanking(Sequence[Placement]):
     def __iter__(self) -> Iterator[Placement]:
         return map(self._placement, self.order)
 
+    def cached_blocks_of(self, group_id: str) -> int:
+        """The request's blocks ``group_id`` holds, as ranked (0 for a group not ranked)."""
+        loads = self._loads
+        for i in self.order:
+            if loads[i].group_id == group_id:
+                return self._prefix.get(i, self._base)
+        return 0
+
     def _placement(self, i: int) -> Placement:
-        prefix = self._prefix[i]
+        prefix = self._prefix.get(i, self._base)
         occupancy = (self._committed[i] + self._num_blocks - prefix) / self._total
         tier = 0 if occupancy <= self._target else 1
         return Placement(self._loads[i].group_id, _REASONS[tier][bool(prefix)], occupancy, prefix)
@@ -68,7 +109,7 @@ class UniformRanking(Sequence[Placement]):
 def rank_uniform(
     demand: RequestDemand,
     loads: Sequence[GroupLoad],
-    gid_order: Sequence[int],
+    kept: CommittedOrder,
     base: int,
     longer: Mapping[int, int],
     target_occupancy: float,
@@ -77,112 +118,70 @@ def rank_uniform(
     load_scale: str,
 ) -> UniformRanking:
     """``rank_groups(demand, loads, ...)`` with ``queue_weight`` 0, for a uniform fleet of fresh
-    reports (the caller checks: `is_uniform`). ``gid_order``: the indices of ``loads`` by group id; ``base``: the fewest leading request
+    reports (the caller checks: `is_uniform`), whose committed blocks ``kept`` holds (not the
+    loads': the router moves ``kept`` with each charge). ``base``: the fewest leading request
     blocks any group holds; ``longer``: index -> blocks held, for the groups holding more (as
-    `PrefixIndex.prefix_split` finds them)."""
+    `PrefixIndex.prefix_split` finds them).
+
+    One function on purpose, with the few keys it needs inlined: a decision runs with cold
+    caches, where each function called costs a fetch of its code (module doc)."""
+    total = loads[0].num_blocks_total
     num_blocks = -(-demand.num_tokens // loads[0].block_size)
-    if not demand.block_hashes or demand.block_size != loads[0].block_size:
+    num_hashes = len(demand.block_hashes)
+    if not num_hashes or demand.block_size != loads[0].block_size:
         base, longer = 0, {}  # no affinity (rank_groups counts a prefix at the same size only)
     base = min(base, num_blocks)
-    prefix = _Base(base)
+    prefix: Dict[int, int] = {}  # loops, not comprehensions: each is a function of its own
     for i, held in longer.items():
         if min(held, num_blocks) > base:
             prefix[i] = min(held, num_blocks)
-    committed = list(map(_COMMITTED, loads))  # read now: the loads change with every charge
-    order = sorted(gid_order, key=committed.__getitem__)  # stable: ties stay by group id
+    committed = kept.committed.copy()  # the placements are read again after later charges
+    order = kept.order.copy()
     for i in prefix:
         order.remove(i)
-    key = _Keys(loads, committed, num_blocks, target_occupancy, prefix_weight,
-                len(demand.block_hashes), load_weight)
-    num_under = _count_under(order, key, base)
-    if load_scale == "target":
-        highest = target_occupancy
-    else:  # the highest projected occupancy under target, as rank_groups' _score takes it
-        occupancies = [key.occupancy(i, held) for i, held in prefix.items()]
-        occupancies.append(key.occupancy(order[num_under - 1], base) if num_under else 0.0)
-        highest = max(o for o in occupancies if o <= target_occupancy)
-    key.set_highest(highest)
-    longer_sorted = sorted(prefix, key=lambda i: key(i, prefix[i]))
-    return UniformRanking(_merge(order, longer_sorted, key, base, prefix), loads, committed,
-                          prefix, num_blocks, target_occupancy)
-
-
-def is_uniform(loads: Sequence[GroupLoad], max_report_age_s: float) -> bool:
-    """Whether ``rank_uniform`` ranks ``loads``: one pool size and block size, fresh reports."""
-    return bool(loads) and (max(map(_AGE, loads)) <= max_report_age_s
-                            and len(set(map(_TOTAL, loads))) == 1
-                            and len(set(map(_BLOCK_SIZE, loads))) == 1)
-
-
-class _Base(dict):
-    """index -> prefix blocks; any index not set holds the base prefix."""
-
-    __slots__ = ("base",)
-
-    def __init__(self, base: int) -> None:
-        super().__init__()
-        self.base = base
-
-    def __missing__(self, i: int) -> int:
-        return self.base
-
-
-class _Keys:
-    """`rank_groups`' sort key of group ``i`` with ``prefix`` blocks, by the same expressions."""
-
-    __slots__ = ("loads", "committed", "num_blocks", "total", "target", "per_block",
-                 "load_weight", "per_occupancy")
-
-    def __init__(self, loads: Sequence[GroupLoad], committed: List[int], num_blocks: int,
-                 target: float, prefix_weight: float, num_hashes: int,
-                 load_weight: float) -> None:
-        self.loads, self.committed, self.num_blocks = loads, committed, num_blocks
-        self.total, self.target = loads[0].num_blocks_total, target
-        self.per_block = prefix_weight / num_hashes if num_hashes else 0.0
-        self.load_weight = load_weight
-        self.per_occupancy = 0.0
-
-    def set_highest(self, highest: float) -> None:
-        self.per_occupancy = self.load_weight / highest if highest > 0 else 0.0
-
-    def occupancy(self, i: int, prefix: int) -> float:
-        return (self.committed[i] + self.num_blocks - prefix) / self.total
-
-    def __call__(self, i: int, prefix: int) -> Tuple[int, float, float, str]:
-        occupancy = self.occupancy(i, prefix)
-        if occupancy > self.target:
-            return 1, 0.0, occupancy, self.loads[i].group_id
-        # _score's expression, with the queue term (0.0 * 0) in place
-        score = (self.per_occupancy * occupancy + 0.0 * 0 - self.per_block * prefix
-                 - self.load_weight - 0.0)
-        return 0, score, occupancy, self.loads[i].group_id
-
-
-def _count_under(order: List[int], key: _Keys, base: int) -> int:
-    """How many of ``order`` (base-prefix groups by committed blocks) are under target."""
+    target = target_occupancy
+    # How many of the base-prefix groups are under target: a prefix of order (occupancy grows
+    # along it), found by binary search with rank_groups' own expression.
     lo, hi = 0, len(order)
     while lo < hi:
         mid = (lo + hi) // 2
-        if key.occupancy(order[mid], base) <= key.target:
+        if (committed[order[mid]] + num_blocks - base) / total <= target:
             lo = mid + 1
         else:
             hi = mid
-    return lo
+    if load_scale == "target":
+        highest = target
+    else:  # the highest projected occupancy under target, as rank_groups' _score takes it
+        highest = (committed[order[lo - 1]] + num_blocks - base) / total if lo else 0.0
+        for i, held in prefix.items():
+            occupancy = (committed[i] + num_blocks - held) / total
+            if highest < occupancy <= target:
+                highest = occupancy
+    if not prefix:
+        return UniformRanking(order, loads, committed, prefix, base, num_blocks, target)
+    per_block = prefix_weight / num_hashes if num_hashes else 0.0
+    per_occupancy = load_weight / highest if highest > 0 else 0.0
 
+    def key(i: int, held: int) -> Tuple[int, float, float, str]:  # rank_groups' sort key
+        occupancy = (committed[i] + num_blocks - held) / total
+        if occupancy > target:
+            return 1, 0.0, occupancy, loads[i].group_id
+        # _score's expression, with the queue term (0.0 * 0) in place
+        score = per_occupancy * occupancy + 0.0 * 0 - per_block * held - load_weight - 0.0
+        return 0, score, occupancy, loads[i].group_id
 
-def _merge(order: List[int], longer: List[int], key: _Keys, base: int,
-           prefix: Mapping[int, int]) -> List[int]:
-    """``order`` (sorted by key) with each of ``longer`` (sorted by key) inserted in its place."""
-    if not longer:
-        return order
+    # Insert each longer-prefix group (in key order) into order by binary search.
+    keyed = []
+    for i, held in prefix.items():
+        keyed.append((key(i, held), i))
+    keyed.sort()
     merged: List[int] = []
     start = 0
-    for i in longer:
-        target = key(i, prefix[i])
+    for own, i in keyed:
         lo, hi = start, len(order)
         while lo < hi:
             mid = (lo + hi) // 2
-            if key(order[mid], base) < target:
+            if key(order[mid], base) < own:
                 lo = mid + 1
             else:
                 hi = mid
@@ -190,4 +189,11 @@ def _merge(order: List[int], longer: List[int], key: _Keys, base: int,
         merged.append(i)
         start = lo
     merged += order[start:]
-    return merged
+    return UniformRanking(merged, loads, committed, prefix, base, num_blocks, target)
+
+
+def is_uniform(loads: Sequence[GroupLoad], max_report_age_s: float) -> bool:
+    """Whether ``rank_uniform`` ranks ``loads``: one pool size and block size, fresh reports."""
+    return bool(loads) and (max(map(_AGE, loads)) <= max_report_age_s
+                            and len(set(map(_TOTAL, loads))) == 1
+                            and len(set(map(_BLOCK_SIZE, loads))) == 1)

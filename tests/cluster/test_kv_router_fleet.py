@@ -127,7 +127,9 @@ def test_a_large_uniform_fleet_is_ranked_as_rank_groups_ranks_it(serve):
         assert isinstance(placements, UniformRanking)
         decided.append((placements, list(placements)))
         if i % 2:  # every other request is still routing when the next ones are decided
-            serve.router.on_request_routed(pending, ReplicaID(expected[0], DEPLOYMENT), None)
+            # and some go to the second choice (the first was full): the charge moves there
+            taker = expected[1] if i % 4 == 1 else expected[0]
+            serve.router.on_request_routed(pending, ReplicaID(taker, DEPLOYMENT), None)
     # what a decision ranked stays as it was when later charges change the fleet's loads
     assert all(list(placements) == then for placements, then in decided)
 

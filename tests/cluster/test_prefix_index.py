@@ -53,6 +53,10 @@ def test_split_finds_the_base_every_group_holds_and_who_holds_more(group_sets, h
     mask = sum(bits[g] for g in among)
     assert index.prefix_split(hashes, mask) == (
         base, {g: n for g, n in lengths.items() if n > base})
+    # named by what the caller maps each bit to (the router: the group's index in its loads)
+    names = {bits[g]: int(g[1:]) for g in held}
+    assert index.prefix_split(hashes, mask, names) == (
+        base, {int(g[1:]): n for g, n in lengths.items() if n > base})
 
 
 def test_discard_and_removed_groups_leave_no_trace_and_bits_are_reused():

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.placement import GroupLoad, RequestDemand, rank_groups
-from cluster.uniform_rank import is_uniform, rank_uniform
+from cluster.uniform_rank import CommittedOrder, is_uniform, rank_uniform
 
 BS = 16
 
@@ -30,10 +30,9 @@ def fast(demand, loads, cached, target=0.7, max_age=5.0, prefix_weight=3.0, load
     """rank_uniform as the router calls it, or None where it would call rank_groups."""
     if not is_uniform(loads, max_age):
         return None
-    gid_order = sorted(range(len(loads)), key=lambda i: loads[i].group_id)
     position = {load.group_id: i for i, load in enumerate(loads)}
     base, longer = split_prefixes(cached, position)
-    return rank_uniform(demand, loads, gid_order, base, longer, target,
+    return rank_uniform(demand, loads, CommittedOrder(loads), base, longer, target,
                         prefix_weight, load_weight, load_scale)
 
 
@@ -102,3 +101,21 @@ def test_a_request_hashed_at_another_block_size_has_no_affinity_as_in_rank_group
     cached = {"a": 4}
     assert list(fast(demand, loads, cached)) == rank_groups(demand, loads, cached_prefix=cached)
     assert fast(demand, loads, cached)[0].group_id == "b"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=12),
+       st.lists(st.tuples(st.integers(0, 11), st.integers(0, 40)), max_size=30))
+def test_the_kept_order_is_the_order_by_committed_blocks_then_group_id_after_any_moves(
+        used, moves):
+    # ids out of index order, and equal committed counts, so the tie-break by id is exercised
+    ids = [f"g{(7 * k) % 13:02d}" for k in range(len(used))]
+    loads = [group(gid, n, 100) for gid, n in zip(ids, used)]
+    kept = CommittedOrder(loads)
+    committed = [load._num_blocks_committed for load in loads]
+    for i, n in moves:
+        if i < len(loads):
+            kept.set(i, n)
+            committed[i] = n
+        assert kept.committed == committed
+        assert kept.order == sorted(range(len(loads)), key=lambda i: (committed[i], ids[i]))
