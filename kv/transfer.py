@@ -9,9 +9,10 @@ rank which tickets are done on all ranks and the worst status any rank saw for e
     agree(cpu_group): all_reduce MIN(num_done) -> agreed; all_reduce MAX(statuses[committed:agreed])
 
 The worker keeps a checksum table per tier (slot -> tag, checksum of the bytes written there) and
-refuses bytes whose tag or checksum no longer match. A failed op leaves its destination slot
-without an entry (a failed restore's device block may hold the bad bytes and is not attended
-to), so later ops that name that slot fail too instead of moving garbage.
+refuses bytes whose tag or checksum no longer match; the disk ops and the disk's table are
+``kv/disk_transfer.py``'s. A failed op leaves its destination slot without an entry (a failed
+restore's device block may hold the bad bytes and is not attended to), so later ops that name that
+slot fail too instead of moving garbage.
 
 Failures come in two kinds. Expected ones (an I/O error, a block's copy failing, bytes that do
 not match) fail their ops only, as statuses, and the blocks are recomputed. Anything that escapes
@@ -23,14 +24,12 @@ rank. A wait that outlasts ``wait_timeout_s`` fails the same way.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Union
@@ -40,7 +39,7 @@ import torch.distributed as dist
 
 from kv.block_checksum import BlockChecksum, index_identity
 from kv.block_copier import BlockCopier
-from kv.disk_index import read_snapshot, write_snapshot
+from kv.disk_transfer import DiskTransfer, SlotEntry
 from kv.disk_store import DiskStore
 from kv.striped_disk import StripedDiskStore
 from kv.host_buffer import HostBuffer
@@ -52,19 +51,7 @@ from parallel.latency import LatencyRecorder
 
 logger = logging.getLogger(__name__)
 
-INDEX_KIND = "disk-checksums"
-# Disk calls in flight: keeps the device busy while a chunk is verified (a striped store runs
-# each call's parts on all its drives at once, so each drive has as many).
-_IO_DEPTH = 2
 _OP_KINDS = (Spill, Restore, WriteDisk, ReadDisk, SaveIndex)
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """What a slot holds: the block's tag and the checksum of its bytes."""
-
-    tag: int
-    checksum: int
 
 
 @dataclass(frozen=True)
@@ -132,25 +119,20 @@ class TransferEngine:
         self._progress = TransferProgress(wait_timeout_s)
         self._kv = kv_cache
         self._host = host
-        self._disk = disk
-        self._index_path = index_path
         self._is_cuda = kv_cache.data.is_cuda
         # Default priority: a low-priority copy stream starved by compute can deadlock a step
         # that waits for its restores.
         self._copy_stream = torch.cuda.Stream(kv_cache.data.device) if self._is_cuda else None
         self._copier = BlockCopier(kv_cache, host, _copy_threads(), checksum)
         self.checksum = self._copier.checksum
-        self._identity = index_identity(identity, self.checksum.name)
-        self._io = ThreadPoolExecutor(_IO_DEPTH, thread_name_prefix="tpserve-kv-io")
-        # Owned by the worker thread once it starts.
-        self._host_entries: Dict[int, _Entry] = {}
-        self._disk_entries: Dict[int, _Entry] = (
-            self._load_index() if disk is not None and index_path is not None else {})
+        # Owned by the worker thread once it starts (the disk side shares the host table).
+        self._host_entries: Dict[int, SlotEntry] = {}
+        self._disk = None if disk is None else DiskTransfer(
+            disk, host, self._copier, self._host_entries, index_path,
+            index_identity(identity, self.checksum.name))
 
         self.num_bytes_spilled = 0
         self.num_bytes_restored = 0
-        self.num_bytes_disk_written = 0
-        self.num_bytes_disk_read = 0
         self.transfer_latency = LatencyRecorder()  # seconds from submit to done, per batch
 
         self._queue: "queue.Queue[Optional[_Batch]]" = queue.Queue()
@@ -232,10 +214,19 @@ class TransferEngine:
             statuses = [OpStatus(int(s)) for s in worst.tolist()]
         return TierOpResults(first_ticket=first, statuses=tuple(statuses))
 
+    @property
+    def num_bytes_disk_written(self) -> int:
+        return 0 if self._disk is None else self._disk.num_bytes_written
+
+    @property
+    def num_bytes_disk_read(self) -> int:
+        return 0 if self._disk is None else self._disk.num_bytes_read
+
     def disk_tags(self) -> Dict[int, int]:
         """Disk slot -> tag of the blocks this rank holds on disk, after the queued ops."""
         self.wait_all()
-        return {slot: entry.tag for slot, entry in self._disk_entries.items()}
+        entries = {} if self._disk is None else self._disk.entries
+        return {slot: entry.tag for slot, entry in entries.items()}
 
     def close(self) -> None:
         """Finish the queued ops (none after a failure) and stop the worker; idempotent. Waits at
@@ -255,7 +246,8 @@ class TransferEngine:
                                 None)
             return
         self._copier.close()
-        self._io.shutdown(wait=True)
+        if self._disk is not None:
+            self._disk.close()
 
     # --- worker side -------------------------------------------------------------------------
 
@@ -279,21 +271,22 @@ class TransferEngine:
                                 f"{exc}", exc)
 
     def _run_group(self, ops: List[TierOp]) -> List[OpStatus]:
-        handlers: Dict[type, Callable[[List], List[OpStatus]]] = {
-            Spill: self._spill, Restore: self._restore, WriteDisk: self._write_disk,
-            ReadDisk: self._read_disk, SaveIndex: self._save_index,
-        }
         refusal = self._refusal(ops[0])
         if refusal is not None:
             logger.error("%d %s ops refused: %s", len(ops), type(ops[0]).__name__, refusal)
             return [OpStatus.IO_ERROR] * len(ops)
+        handlers: Dict[type, Callable[[List], List[OpStatus]]] = {
+            Spill: self._spill, Restore: self._restore}
+        if self._disk is not None:  # else _refusal refused the disk ops
+            handlers.update({WriteDisk: self._disk.write, ReadDisk: self._disk.read,
+                             SaveIndex: self._disk.save_index})
         return handlers[type(ops[0])](ops)
 
     def _refusal(self, op: TierOp) -> Optional[str]:
         """Why this rank cannot run ``op`` at all (an IO_ERROR, not a failure), or None."""
         if isinstance(op, (WriteDisk, ReadDisk, SaveIndex)) and self._disk is None:
             return "this rank has no disk store"
-        if isinstance(op, SaveIndex) and self._index_path is None:
+        if isinstance(op, SaveIndex) and self._disk.index_path is None:
             return "this rank's TransferEngine has no index_path"
         return None
 
@@ -308,7 +301,7 @@ class TransferEngine:
             if checksum is None:
                 statuses.append(OpStatus.IO_ERROR)
                 continue
-            self._host_entries[op.host_slot] = _Entry(op.tag, checksum)
+            self._host_entries[op.host_slot] = SlotEntry(op.tag, checksum)
             self.num_bytes_spilled += self._host.block_nbytes
             statuses.append(OpStatus.OK)
         return statuses
@@ -326,111 +319,7 @@ class TransferEngine:
         return [OpStatus.IO_ERROR if ok is None else OpStatus.OK if ok else OpStatus.CHECKSUM
                 for ok in written]
 
-    def _write_disk(self, ops: List[WriteDisk]) -> List[OpStatus]:
-        disk = self._disk
-        assert disk is not None
-        statuses = [self._check_disk_op(op) for op in ops]
-        for op in ops:
-            self._disk_entries.pop(op.disk_slot, None)
-        todo = []
-        for i, op in enumerate(ops):
-            entry = self._host_entries.get(op.host_slot)
-            if statuses[i] is OpStatus.OK and (entry is None or entry.tag != op.tag):
-                statuses[i] = OpStatus.CHECKSUM
-            elif statuses[i] is OpStatus.OK:
-                todo.append(i)
-        # Chunks of consecutive disk slots, each about one large I/O, _IO_DEPTH in flight.
-        todo.sort(key=lambda i: ops[i].disk_slot)
-        chunks = self._io_chunks(todo)
-        write = lambda chunk: disk.write([ops[i].disk_slot for i in chunk],  # noqa: E731
-                                         [self._host.view(ops[i].host_slot) for i in chunk])
-        errors = [error for chunk_errors in self._io.map(write, chunks) for error in chunk_errors]
-        for i, error in zip(todo, errors):
-            op = ops[i]
-            if error is not None:
-                logger.error("writing host slot %d to disk slot %d failed: %s",
-                             op.host_slot, op.disk_slot, error)
-                statuses[i] = OpStatus.IO_ERROR
-                continue
-            self._disk_entries[op.disk_slot] = self._host_entries[op.host_slot]
-            self.num_bytes_disk_written += disk.slot_bytes
-        return statuses
-
-    def _read_disk(self, ops: List[ReadDisk]) -> List[OpStatus]:
-        disk = self._disk
-        assert disk is not None
-        statuses = [self._check_disk_op(op) for op in ops]
-        for op in ops:
-            self._host_entries.pop(op.host_slot, None)
-        todo = []
-        for i, op in enumerate(ops):
-            entry = self._disk_entries.get(op.disk_slot)
-            if statuses[i] is OpStatus.OK and (entry is None or entry.tag != op.tag):
-                statuses[i] = OpStatus.CHECKSUM  # no need to read bytes that cannot match
-            elif statuses[i] is OpStatus.OK:
-                todo.append(i)
-        # Chunks of about one large I/O, _IO_DEPTH of them in flight; each chunk is verified
-        # while the next ones are read.
-        todo.sort(key=lambda i: ops[i].disk_slot)
-        chunks = self._io_chunks(todo)
-        read = lambda chunk: disk.read([ops[i].disk_slot for i in chunk],  # noqa: E731
-                                       [self._host.view(ops[i].host_slot) for i in chunk])
-        pending = collections.deque(self._io.submit(read, c) for c in chunks[:_IO_DEPTH])
-        for index, chunk in enumerate(chunks):
-            errors = pending.popleft().result()
-            if index + _IO_DEPTH < len(chunks):
-                pending.append(self._io.submit(read, chunks[index + _IO_DEPTH]))
-            self._verify_reads([ops[i] for i in chunk], errors, chunk, statuses)
-        return statuses
-
-    def _io_chunks(self, todo: List[int]) -> List[List[int]]:
-        """``todo`` (already in disk slot order) cut into chunks of about one large I/O each."""
-        assert self._disk is not None
-        per_chunk = max(1, self._disk.max_io_bytes // self._disk.slot_bytes)
-        return [todo[i:i + per_chunk] for i in range(0, len(todo), per_chunk)]
-
-    def _verify_reads(self, ops: List[ReadDisk], errors: List[Optional[OSError]],
-                      indices: List[int], statuses: List[OpStatus]) -> None:
-        """Check the checksums of blocks just read from disk (hashed on the copier's threads)."""
-        read_ok = [op for op, error in zip(ops, errors) if error is None]
-        sums = iter(self._copier.checksums([op.host_slot for op in read_ok]))
-        for index, op, error in zip(indices, ops, errors):
-            if error is not None:
-                logger.error("reading disk slot %d into host slot %d failed: %s",
-                             op.disk_slot, op.host_slot, error)
-                statuses[index] = OpStatus.IO_ERROR
-                continue
-            self.num_bytes_disk_read += self._host.slot_bytes
-            entry = self._disk_entries[op.disk_slot]
-            if next(sums) != entry.checksum:
-                logger.warning("disk slot %d: checksum mismatch for tag %#x", op.disk_slot,
-                               op.tag)
-                statuses[index] = OpStatus.CHECKSUM
-                continue
-            self._host_entries[op.host_slot] = entry
-            statuses[index] = OpStatus.OK
-
-    def _save_index(self, ops: List[SaveIndex]) -> List[OpStatus]:
-        assert self._disk is not None and self._index_path is not None
-        records = [[slot, entry.tag, entry.checksum]
-                   for slot, entry in sorted(self._disk_entries.items())]
-        try:
-            self._disk.sync()
-            write_snapshot(self._index_path, INDEX_KIND, self._identity, records)
-        except OSError as exc:  # a full or failing disk: the next snapshot may succeed
-            logger.error("saving the disk index to %s failed: %s", self._index_path, exc)
-            return [OpStatus.IO_ERROR] * len(ops)
-        return [OpStatus.OK] * len(ops)
-
     # --- helpers -----------------------------------------------------------------------------
-
-    def _check_disk_op(self, op: TierOp) -> OpStatus:
-        """OK if the op's slots exist; else IO_ERROR (logged) without failing its group."""
-        if 0 <= op.host_slot < self._host.num_slots and 0 <= op.disk_slot < self._disk.num_slots:
-            return OpStatus.OK
-        logger.error("%s: slot out of range (%d host slots, %d disk slots)",
-                     op, self._host.num_slots, self._disk.num_slots)
-        return OpStatus.IO_ERROR
 
     def _on_copy_stream(self) -> contextlib.AbstractContextManager:
         if self._copy_stream is None:
@@ -444,25 +333,6 @@ class TransferEngine:
             event = torch.cuda.Event()
             event.record(self._copy_stream)
         self._progress.mark_spills_read(num_ops, event)
-
-    def _load_index(self) -> Dict[int, _Entry]:
-        records = read_snapshot(self._index_path, INDEX_KIND, self._identity) or []
-        entries: Dict[int, _Entry] = {}
-        for record in records:
-            if not _is_index_record(record, self._disk.num_slots):
-                logger.warning("%s: record %r is not [slot, tag, checksum] with 0 <= slot < %d; "
-                               "ignored", self._index_path, record, self._disk.num_slots)
-                continue
-            slot, tag, checksum = record
-            entries[slot] = _Entry(tag, checksum)
-        return entries
-
-
-def _is_index_record(record: object, num_slots: int) -> bool:
-    return (isinstance(record, list) and len(record) == 3
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in record)
-            and 0 <= record[0] < num_slots)
-
 
 def _copy_threads() -> int:
     """Threads that copy and hash blocks: the cores torch computes on, at most four."""

@@ -22,7 +22,8 @@ from kv.striped_disk import StripedDiskStore
 from kv.host_buffer import HostBuffer
 from kv.kv_cache import KVCache, KVCacheSpec
 from kv.tier_ops import OpStatus, ReadDisk, Restore, SaveIndex, Spill, WriteDisk
-from kv.transfer import INDEX_KIND, TransferEngine, split_runs
+from kv.disk_transfer import INDEX_KIND
+from kv.transfer import TransferEngine, split_runs
 from workers.multiproc import free_tcp_init_method
 
 OK, CHECKSUM, IO_ERROR = OpStatus.OK, OpStatus.CHECKSUM, OpStatus.IO_ERROR
