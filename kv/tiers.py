@@ -30,85 +30,17 @@ Nothing here touches bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from kv.block_pool import Block, BlockPool
 from kv.prefix_hash import BlockHash
 from kv.tier_index import TierEntry, TierIndex
+from kv.tier_records import (ChainStep, DiskWriteDone, LowerHit, RestoreChain, SpillDone,
+                             TierRecord, TierStats)
 from kv.tier_ops import (OpStatus, ReadDisk, Restore, SaveIndex, Spill, TierOp, TierOpResults,
                          WriteDisk)
 from kv.types import BlockId
 from kv.write_policy import HitCounter, SpillPacer, check_write_policy
-
-
-@dataclass(frozen=True)
-class LowerHit:
-    """A block found below the device: its hash, tokens and the tier that holds it."""
-
-    block_hash: BlockHash
-    token_ids: Tuple[int, ...]
-    tier: str  # "host" or "disk"
-
-
-@dataclass
-class RestoreChain:
-    """Blocks restored for one request, in prefix order; done when every ticket has committed."""
-
-    hashes: List[Optional[BlockHash]]  # None for a swapped-out partial block
-    last_ticket: int
-    statuses: List[OpStatus] = field(init=False)  # worst agreed outcome per block
-
-    def __post_init__(self) -> None:
-        self.statuses = [OpStatus.OK] * len(self.hashes)
-
-    def is_done(self, num_committed: int) -> bool:
-        return self.last_ticket < num_committed
-
-    @property
-    def num_ok(self) -> int:
-        """Leading blocks restored intact: the request may attend to these and no more."""
-        for index, status in enumerate(self.statuses):
-            if status != OpStatus.OK:
-                return index
-        return len(self.statuses)
-
-
-@dataclass(frozen=True)
-class _SpillDone:
-    block_hash: Optional[BlockHash]  # None: a private swap-out
-    host_slot: int
-    device_block: BlockId
-
-
-@dataclass(frozen=True)
-class _DiskWriteDone:
-    block_hash: BlockHash
-    disk_slot: int
-
-
-@dataclass(frozen=True)
-class _ChainStep:
-    chain: RestoreChain
-    index: int
-    host_slot: int
-
-
-_Record = Union[_SpillDone, _DiskWriteDone, _ChainStep, None]
-
-
-@dataclass
-class TierStats:
-    num_spilled_blocks: int = 0  # device -> host
-    num_restored_blocks: int = 0  # host -> device
-    num_disk_written_blocks: int = 0
-    num_disk_read_blocks: int = 0
-    num_checksum_failures: int = 0
-    num_io_errors: int = 0
-    num_swapped_out: int = 0  # preempted requests' partial blocks kept on host
-    num_swapped_in: int = 0  # of which copied back when their request resumed
-    num_spills_skipped: int = 0  # write-throughs dropped: every host slot was private
-    num_written_back: int = 0  # device blocks spilled when evicted (write-back)
 
 
 class KVTiers:
@@ -132,7 +64,7 @@ class KVTiers:
         pool.on_evict = self._on_device_evict
         self.stats = TierStats()
         self._ops: List[TierOp] = []
-        self._records: Dict[int, _Record] = {}
+        self._records: Dict[int, TierRecord] = {}
         self._spilling: Dict[BlockId, int] = {}  # device block -> ticket of its last spill
         self.num_issued = 0  # tickets handed out so far
         self.num_committed = 0
@@ -308,11 +240,11 @@ class KVTiers:
             slot = self._host_slot_for(hit, disk_slots.get(hit.block_hash), chain, index)
             self.host.policy.record_access(hit.block_hash)
             self._issue(Restore(slot, block.block_id, hit.block_hash),
-                        _ChainStep(chain, index, slot))
+                        ChainStep(chain, index, slot))
             self.stats.num_restored_blocks += 1
         if swapped is not None:
             slot, tag, block = swapped
-            self._issue(Restore(slot, block.block_id, tag), _ChainStep(chain, len(hits), slot))
+            self._issue(Restore(slot, block.block_id, tag), ChainStep(chain, len(hits), slot))
             self.stats.num_swapped_in += 1
         chain.last_ticket = self.num_issued - 1
         for hit in hits:  # see ``hold``
@@ -359,15 +291,15 @@ class KVTiers:
             record = self._records.pop(results.first_ticket + offset)
             # A block read from disk that fails there fails its copy to the device as well:
             # count it once.
-            if not (isinstance(record, _ChainStep)
+            if not (isinstance(record, ChainStep)
                     and record.chain.statuses[record.index] != OpStatus.OK):
                 self._count_failure(status)
-            if isinstance(record, _SpillDone):
+            if isinstance(record, SpillDone):
                 self._commit_spill(record, results.first_ticket + offset, status)
-            elif isinstance(record, _DiskWriteDone):
+            elif isinstance(record, DiskWriteDone):
                 if status != OpStatus.OK and self.disk is not None:
                     self.disk.discard_slot(record.block_hash, record.disk_slot)
-            elif isinstance(record, _ChainStep):
+            elif isinstance(record, ChainStep):
                 self._commit_chain_step(record, status)
                 if record.chain.last_ticket == results.first_ticket + offset:
                     finished_chains.append(record.chain)
@@ -381,13 +313,13 @@ class KVTiers:
         elif status == OpStatus.IO_ERROR:
             self.stats.num_io_errors += 1
 
-    def _commit_spill(self, record: _SpillDone, ticket: int, status: OpStatus) -> None:
+    def _commit_spill(self, record: SpillDone, ticket: int, status: OpStatus) -> None:
         if self._spilling.get(record.device_block) == ticket:
             del self._spilling[record.device_block]
         if status != OpStatus.OK and record.block_hash is not None:
             self.host.discard_slot(record.block_hash, record.host_slot)
 
-    def _commit_chain_step(self, record: _ChainStep, status: OpStatus) -> None:
+    def _commit_chain_step(self, record: ChainStep, status: OpStatus) -> None:
         chain = record.chain
         chain.statuses[record.index] = max(chain.statuses[record.index], status)
         block_hash = chain.hashes[record.index]
@@ -406,14 +338,14 @@ class KVTiers:
 
     # ----- helpers -----
 
-    def _issue(self, op: TierOp, record: _Record) -> None:
+    def _issue(self, op: TierOp, record: TierRecord) -> None:
         self._ops.append(op)
         self._records[self.num_issued] = record
         self.num_issued += 1
 
     def _issue_spill(self, op: Spill, block_hash: Optional[BlockHash]) -> None:
         self._spilling[op.device_block] = self.num_issued
-        self._issue(op, _SpillDone(block_hash, op.host_slot, op.device_block))
+        self._issue(op, SpillDone(block_hash, op.host_slot, op.device_block))
 
     def _take_host_slot(self) -> int:
         slot, evicted = self.host.take_slot()
@@ -433,7 +365,7 @@ class KVTiers:
         disk_slot, _ = self.disk.take_slot()
         self.disk.insert(block_hash, entry.token_ids, disk_slot)
         self._issue(WriteDisk(entry.slot, disk_slot, block_hash),
-                    _DiskWriteDone(block_hash, disk_slot))
+                    DiskWriteDone(block_hash, disk_slot))
         self.stats.num_disk_written_blocks += 1
 
     def _host_slot_for(self, hit: LowerHit, disk_slot: Optional[int], chain: RestoreChain,
@@ -448,6 +380,6 @@ class KVTiers:
             self.host.remove(hit.block_hash)
         self.host.insert(hit.block_hash, hit.token_ids, slot)
         self._issue(ReadDisk(disk_slot, slot, hit.block_hash),
-                    _ChainStep(chain, index, slot))
+                    ChainStep(chain, index, slot))
         self.stats.num_disk_read_blocks += 1
         return slot

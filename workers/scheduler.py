@@ -38,7 +38,7 @@ from kv.attention_metadata import first_key_position
 from kv.kv_manager import CachedPrefix, KVCacheManager, KVUsage
 from kv.prefix_hash import extend_block_hashes, hash_block
 from kv.tier_ops import Restore, TierOp, TierOpResults
-from kv.tiers import LowerHit, RestoreChain
+from kv.tier_records import LowerHit, RestoreChain
 from workers.request import FinishReason, Request, RequestStatus, SwappedTail
 from workers.step_plan import KnownSeqStep, NewSeqStep, SeqStep, StepPlan
 
