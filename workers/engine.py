@@ -12,7 +12,6 @@ import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -24,6 +23,7 @@ from parallel.rendezvous import RendezvousSocket
 from parallel.tp_group import TPGroupConfig
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
+from workers.engine_outputs import RequestOutput, StepRecord
 from workers.engine_sizing import (block_spec, check_model, context_length, fit_context_to_pool,
                                    size_pool)
 from workers.multiproc import RankLauncher, RankProcesses
@@ -40,45 +40,6 @@ from workers.tier_setup import (RankTierConfig, build_kv_manager, claim_engine_d
 from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What a step produced for one choice of a request; ``text`` and ``output_token_ids`` are
-    cumulative. ``finished`` is this choice's; a request ends when all ``n`` have."""
-
-    request_id: RequestId
-    prompt_token_ids: List[int]
-    output_token_ids: List[int]
-    new_token_ids: List[int]
-    text: str
-    delta_text: str
-    finished: bool
-    finish_reason: Optional[str]
-    logprobs: List[SampledToken]
-    index: int = 0  # which of the request's ``n`` choices
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """Shape of one executed step, for throughput and roofline accounting."""
-
-    seqs: Tuple[Tuple[int, int], ...]  # per scheduled sequence: (tokens cached before, new)
-    num_logits: int
-    duration_s: float
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(new for _, new in self.seqs)
-
-    @property
-    def num_context_tokens(self) -> int:
-        """Tokens already in the cache that the step's sequences attend to."""
-        return sum(cached for cached, _ in self.seqs)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return all(new == 1 for _, new in self.seqs)
 
 
 class LLMEngine:
