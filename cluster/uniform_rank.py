@@ -137,9 +137,11 @@ def rank_uniform(
             prefix[i] = min(held, num_blocks)
     committed = kept.committed.copy()  # the placements are read again after later charges
     order = kept.order.copy()
+    target = target_occupancy
+    if not prefix:  # the kept order is the ranking (every key grows with committed blocks)
+        return UniformRanking(order, loads, committed, prefix, base, num_blocks, target)
     for i in prefix:
         order.remove(i)
-    target = target_occupancy
     # How many of the base-prefix groups are under target: a prefix of order (occupancy grows
     # along it), found by binary search with rank_groups' own expression.
     lo, hi = 0, len(order)
@@ -157,8 +159,6 @@ def rank_uniform(
             occupancy = (committed[i] + num_blocks - held) / total
             if highest < occupancy <= target:
                 highest = occupancy
-    if not prefix:
-        return UniformRanking(order, loads, committed, prefix, base, num_blocks, target)
     per_block = prefix_weight / num_hashes if num_hashes else 0.0
     per_occupancy = load_weight / highest if highest > 0 else 0.0
 
