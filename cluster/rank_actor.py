@@ -17,6 +17,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from workers.multiproc import RANK_STOP_S
 from workers.rank import RankConfig, build_rank, serve_plans
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class RayRankActors:
                 raise exc.as_instanceof_cause() from None
             raise RuntimeError(f"rank {index + 1} stopped before its group was ready")
 
-    def join(self, timeout_s: float = 30.0) -> None:
+    def join(self, timeout_s: float = RANK_STOP_S) -> None:
         try:
             ray.get(self._runs, timeout=timeout_s)
         except Exception as exc:  # a rank that died or hung: kill it, the group is going away

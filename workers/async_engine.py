@@ -139,7 +139,7 @@ class AsyncLLMEngine:
         self._commands.put(("stop", (), None))
         self._thread.join(timeout_s)
         try:
-            self.engine.shutdown()
+            self.engine.shutdown(failed=self._error is not None)
         except Exception as exc:  # noqa: BLE001 - a failed group cannot stop its ranks cleanly
             if self._error is None:
                 raise

@@ -26,7 +26,7 @@ from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_outputs import RequestOutput, StepRecord
 from workers.engine_sizing import (block_spec, check_model, context_length, fit_context_to_pool,
                                    size_pool)
-from workers.multiproc import RankLauncher, RankProcesses
+from workers.multiproc import RANK_STOP_S, RankLauncher, RankProcesses
 from workers.rank import RankConfig, build_rank, execute_plan, resolve_dtype
 from workers.request import FinishReason, Request, RequestId
 from workers.sampler import SampledToken, sample
@@ -370,8 +370,10 @@ class LLMEngine:
         return tier_stats(self.scheduler.kv, self.rank.tiers, self._tier_config,
                           self.config.tp_size, self.config.block_size)
 
-    def shutdown(self) -> None:
-        """Stop the child ranks (a shutdown plan releases their blocked broadcast)."""
+    def shutdown(self, failed: bool = False) -> None:
+        """Stop the child ranks: a shutdown plan releases their blocked broadcast. ``failed``: a
+        step raised, so the group's collectives are broken and a rank may be hung; no plan can
+        reach the ranks, and they are killed at once rather than waited for."""
         if self._is_shut_down:
             return
         self._is_shut_down = True
@@ -382,14 +384,19 @@ class LLMEngine:
             self._maybe_snapshot(force=True)
             self._drain_transfers()
         finally:
-            self._stop_ranks()
+            self._stop_ranks(failed)
 
-    def _stop_ranks(self) -> None:
+    def _stop_ranks(self, failed: bool) -> None:
         if self._children is not None:
+            told = False
             try:
-                broadcast_plan(StepPlan(shutdown=True), self.rank.tp.cpu_group)
+                if not failed:
+                    broadcast_plan(StepPlan(shutdown=True), self.rank.tp.cpu_group)
+                    told = True
             finally:
-                self._children.join()
+                # A rank that missed the plan never stops by itself: waiting for it only holds
+                # the group's devices from its replacement.
+                self._children.join(RANK_STOP_S if told else 0.0)
                 self.rank.tp.destroy()
         self.rank.close()
         if self._disk_lock is not None:

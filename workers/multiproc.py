@@ -19,6 +19,8 @@ from workers.rank import RankConfig, build_rank, serve_plans
 
 logger = logging.getLogger(__name__)
 
+RANK_STOP_S = 30.0  # how long a rank that took the shutdown plan gets to stop before it is killed
+
 
 class RankHandles(Protocol):
     """Started ranks 1..N-1, however they were launched."""
@@ -28,7 +30,8 @@ class RankHandles(Protocol):
     def check(self) -> None:
         """Raise what stopped a rank, if one has (does not wait)."""
 
-    def join(self, timeout_s: float = 30.0) -> None: ...
+    def join(self, timeout_s: float = RANK_STOP_S) -> None:
+        """Wait ``timeout_s`` for every rank to stop, then kill what is left."""
 
 
 RankLauncher = Callable[[List[RankConfig]], RankHandles]
@@ -126,10 +129,14 @@ class RankProcesses:
             raise error
         return True
 
-    def join(self, timeout_s: float = 30.0) -> None:
+    def join(self, timeout_s: float = RANK_STOP_S) -> None:
+        deadline = time.monotonic() + timeout_s
         for proc in self._procs:
-            proc.join(timeout_s)
+            proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 logger.warning("%s did not stop; terminating it", proc.name)
                 proc.terminate()
+                proc.join(1)
+            if proc.is_alive():  # a stopped (SIGSTOP) process keeps SIGTERM pending
+                proc.kill()
                 proc.join(5)

@@ -2,6 +2,7 @@
 what keeps an idle group alive meanwhile (keepalive plans), in real rank processes."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -50,6 +51,15 @@ def test_a_hung_rank_fails_the_step_within_the_deadline(tiny_llama):
             asyncio.run(stream())
         assert time.monotonic() - started < 20
         assert not engine.is_alive
+        # The failed group is stopped with its rank still frozen: the rank cannot take the
+        # shutdown plan, so it is killed at once (a healthy rank gets 30 s to finish), and the
+        # group's devices are free for its replacement without that wait.
+        started = time.monotonic()
+        engine.shutdown(timeout_s=5)
+        assert time.monotonic() - started < 15
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
     finally:
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         engine.shutdown(timeout_s=5)
