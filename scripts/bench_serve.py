@@ -31,8 +31,9 @@ each keeps its own prefixes, a third if both must hold all of them. Near saturat
 default) first runs a sample of the requests (``--calibration-requests``) all at once through a
 separate deployment (power of two choices), takes requests done / time as what the groups
 sustain, and sets the Poisson rate to ``--load`` (0.9) of it; both are printed. ``--target``
-with several values (``0.5,0.6,0.7,0.8,0.9``) sweeps the KV-aware router's occupancy target on
-the same requests instead, and plots TTFT p99 and throughput against it (``--plot-out``).
+with several values (``0.5,0.6,0.7,0.8,0.9``) sweeps the occupancy target of each KV-aware router
+in ``--routers`` on the same requests, runs the others once, and plots TTFT p99 and throughput
+against the target, the others as flat lines (``--plot-out``).
 
 Per router: throughput (output tokens of successful requests over first send to last response),
 TTFT p50/p99, ITL p99, preemptions, prefix-cache hit rate and each group's peak and mean KV
@@ -47,13 +48,13 @@ figure, with ``--groups`` groups. The pure policy ``cluster.placement.rank_group
 here on synthetic loads of 2 and 64 groups (the target: under 50 us with 64 groups).
 
 The last line printed is one JSON object with every figure (the KV-aware router's unsuffixed,
-the others' with ``_pow2``, ``_prefix_affinity``, ``_round_robin``).
+at the first ``--target``; the others' with ``_pow2``, ``_prefix_affinity``, ``_round_robin``;
+a sweep's as lists ``<figure>_by_target``).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import os
@@ -75,9 +76,9 @@ from host_load import cpu_snapshot, load_average, other_cpu_frac  # noqa: E402,F
 from serve_cluster import Endpoint, local_serve, run_router  # noqa: E402
 from serve_replay import (RequestResult, RunResult, log,  # noqa: E402,F401
                           parse_group_metrics)
-from serve_report import (ROUTER_LABELS, flat_json, percentile, plot_sweep,  # noqa: E402
-                          print_header, print_router_lines, print_sweep, print_table, summarize,
-                          sweep_json, target_checks)
+from serve_report import (flat_json, json_suffix, percentile, plot_sweep,  # noqa: E402,F401
+                          print_header, print_router_lines, print_table, router_figures,
+                          run_label, summarize, sweep_json, target_checks)
 from serve_workload import (BenchRequest, Scaling, arrival_times,  # noqa: E402,F401
                             auto_kv_blocks, build_workload, calibration_sample, ideal_hit_rate,
                             longest_request_blocks, poisson_rate, sustained_rate, with_rate,
@@ -88,6 +89,7 @@ from traces import (MOONCAKE_SYNTHETIC_TRACE, TraceError, TraceRequest,  # noqa:
 DEFAULT_TRACE = MOONCAKE_SYNTHETIC_TRACE
 ROUTERS = ("kv", "pow2", "prefix_affinity", "round_robin")
 OPTIONAL_ROUTERS = ("kv_strict", "kv_queue", "kv_headroom")  # KV-aware variants (cluster/app.py)
+SWEPT_ROUTERS = ("kv",) + OPTIONAL_ROUTERS  # the routers that take the occupancy target
 DEFAULT_PLOT = "/tmp/tpserve_bench_serve_sweep.png"
 
 
@@ -168,7 +170,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help=f"comma-separated, of {', '.join(ROUTERS + OPTIONAL_ROUTERS)}")
     p.add_argument("--target", default="0.7",
                    help="the KV-aware router's occupancy target; several (0.5,0.6,...): a "
-                        "sweep of the KV-aware router alone")
+                        "sweep of each KV-aware router named, the others run once")
     p.add_argument("--plot-out", default=DEFAULT_PLOT, help="the sweep's PNG")
     p.add_argument("--num-cpus", type=int, default=os.cpu_count() or 1)
     p.add_argument("--max-duration-s", type=float, default=240.0,
@@ -201,6 +203,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error(f"--target takes numbers in (0, 1], comma-separated, got {args.target!r}")
     if not all(0 < t <= 1 for t in args.targets):
         p.error(f"--target takes numbers in (0, 1], got {args.target!r}")
+    if len(args.targets) > 1 and not set(args.routers) & set(SWEPT_ROUTERS):
+        p.error(f"--target with several values sweeps a KV-aware router; --routers names none "
+                f"of {', '.join(SWEPT_ROUTERS)}")
     if args.calibration_requests is None:
         args.calibration_requests = max(8, args.num_requests // 4)
     return args
@@ -309,34 +314,21 @@ def calibrate(args: argparse.Namespace, work: Workload, endpoint: Endpoint) -> f
 # ----- main -----
 
 
-def router_figures(kv_stats: Optional[Dict[str, Any]],
-                   rank_us: Dict[int, float]) -> Dict[str, Any]:
-    kv_stats = kv_stats or {"times_us": [], "counts": {}}
-    times = kv_stats["times_us"]
-    return {
-        "router_decision_us_p50": round(percentile(times, 50), 2) if times else rank_us[2],
-        "router_decision_us_p99": round(percentile(times, 99), 2) if times else None,
-        "router_decision_source": "live KVAwareRouter.choose_replicas in the ingress replica"
-        if times else "rank_groups in this process, 2 groups (no live decisions recorded)",
-        "num_router_decisions": len(times),
-        "router_decisions_by_reason": kv_stats["counts"],
-        "rank_groups_us_p50_2_groups": rank_us[2],
-        "rank_groups_us_p50_64_groups": rank_us[64],
-    }
+RunKey = Tuple[str, Optional[float]]  # (router, its --target in a sweep; None: not swept)
 
 
-def run_routers(args: argparse.Namespace, work: Workload, endpoint: Endpoint) -> Dict[str, Any]:
-    """The four routers (or --routers), one after another, on the same requests."""
-    config = serve_config(args, work, args.targets[0])
-    return {router: run_router(router, config, endpoint, work.requests)
-            for router in args.routers}
-
-
-def run_sweep(args: argparse.Namespace, work: Workload, endpoint: Endpoint) -> Dict[str, Any]:
-    """The KV-aware router at each --target, on the same requests."""
-    return {target: run_router("kv", serve_config(args, work, target), endpoint, work.requests,
-                               label=f"kv target {target:g}")
-            for target in args.targets}
+def run_routers(args: argparse.Namespace, work: Workload,
+                endpoint: Endpoint) -> Dict[RunKey, RunResult]:
+    """Each router of --routers, one after another, on the same requests; with several --target
+    values, each KV-aware one at every target (the sweep) and the others once (its baselines)."""
+    sweep = len(args.targets) > 1
+    runs: Dict[RunKey, RunResult] = {}
+    for router in args.routers:
+        for target in (args.targets if sweep and router in SWEPT_ROUTERS else [None]):
+            config = serve_config(args, work, args.targets[0] if target is None else target)
+            runs[(router, target)] = run_router(router, config, endpoint, work.requests,
+                                                label=run_label(router, target))
+    return runs
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -344,40 +336,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     work = prepare(args)
     rank_us = {n: time_rank_groups(n) for n in (2, 64)}
-    is_sweep = len(args.targets) > 1
     with local_serve(args.num_cpus) as port:
         endpoint = Endpoint(port, work.model_dir.name, work.vocab_size, 2 * args.groups,
                             args.max_duration_s, args.drain_timeout_s, args.request_timeout_s)
         set_arrivals(args, work, endpoint)
-        runs = (run_sweep if is_sweep else run_routers)(args, work, endpoint)
+        runs = run_routers(args, work, endpoint)
     summary = {key: summarize(run) for key, run in runs.items()}
-    kv_run = runs.get("kv") or (runs[args.targets[0]] if is_sweep else None)
+    first = args.targets[0]
+    kv_run = runs.get(("kv", None)) or runs.get(("kv", first))
     meta = {**work.meta, "router": router_figures(kv_run and kv_run.router_stats, rank_us)}
     sys.stderr.flush()
     print_header(meta)
-    if is_sweep:
-        out = finish_sweep(args, summary, meta)
-    else:
-        print_table({ROUTER_LABELS[r]: s for r, s in summary.items()})
-        checks = target_checks(summary)
-        print_router_lines(meta, checks)
-        out = {**flat_json(summary, meta), **checks}
+    print_table({run_label(*key): s for key, s in summary.items()})
+    # The unsuffixed figures and the targets: the KV-aware router's (at the first --target).
+    headline = {router: s for (router, target), s in summary.items() if target in (None, first)}
+    checks = target_checks(headline)
+    print_router_lines(meta, checks)
+    out = {**flat_json(headline, meta), **checks}
+    if len(args.targets) > 1:
+        out.update(finish_sweep(args, summary, meta))
     out["wall_s"] = round(time.perf_counter() - wall_start, 1)
     print(json.dumps(out), flush=True)
     return 0
 
 
-def finish_sweep(args: argparse.Namespace, summary: Dict[float, Dict[str, Any]],
+def finish_sweep(args: argparse.Namespace, summary: Dict[RunKey, Dict[str, Any]],
                  meta: Dict[str, Any]) -> Dict[str, Any]:
-    summaries = [summary[t] for t in args.targets]
-    print_sweep(args.targets, summaries)
-    print_router_lines(meta, {})
-    title = (f"KV-aware router, {meta['num_requests']} requests, {meta['arrival_desc']}, "
+    """The swept routers' figures by target, and the plot (the other routers: flat lines)."""
+    swept = {router: [summary[(router, t)] for t in args.targets]
+             for router in args.routers if (router, args.targets[0]) in summary}
+    baselines = {router: s for (router, target), s in summary.items() if target is None}
+    title = (f"{meta['num_requests']} requests, {meta['arrival_desc']}, "
              f"{meta['groups']} groups x {meta['kv_blocks']} blocks")
-    plot_sweep(args.targets, summaries, args.plot_out, title)
+    plot_sweep(args.targets, swept, baselines, args.plot_out, title)
     print(f"plot: {args.plot_out}")
-    return {**sweep_json(args.targets, summaries), "plot": args.plot_out,
-            **{k: v for k, v in meta.items() if k != "router"}, **meta["router"]}
+    out: Dict[str, Any] = {"plot": args.plot_out}
+    for router, summaries in swept.items():
+        out.update(sweep_json(args.targets, summaries, json_suffix(router)))
+    return out
 
 
 def engine_is_cpu() -> bool:

@@ -18,6 +18,11 @@ def json_suffix(router: str) -> str:
     return "" if router == "kv" else f"_{router}"
 
 
+def run_label(router: str, target: Optional[float] = None) -> str:
+    """A run's name in logs and tables: its router, and its target in a sweep."""
+    return ROUTER_LABELS[router] + ("" if target is None else f" @{target:g}")
+
+
 # ----- statistics -----
 
 
@@ -185,6 +190,24 @@ def print_router_lines(meta: Dict[str, Any], checks: Dict[str, Optional[bool]]) 
                           for k, v in checks.items()))
 
 
+def router_figures(kv_stats: Optional[Dict[str, Any]],
+                   rank_us: Dict[int, float]) -> Dict[str, Any]:
+    """The KV-aware router's live decision times (its ingress stats), else the policy timed
+    here (``rank_us``: microseconds per group count)."""
+    kv_stats = kv_stats or {"times_us": [], "counts": {}}
+    times = kv_stats["times_us"]
+    return {
+        "router_decision_us_p50": round(percentile(times, 50), 2) if times else rank_us[2],
+        "router_decision_us_p99": round(percentile(times, 99), 2) if times else None,
+        "router_decision_source": "live KVAwareRouter.choose_replicas in the ingress replica"
+        if times else "rank_groups in this process, 2 groups (no live decisions recorded)",
+        "num_router_decisions": len(times),
+        "router_decisions_by_reason": kv_stats["counts"],
+        "rank_groups_us_p50_2_groups": rank_us[2],
+        "rank_groups_us_p50_64_groups": rank_us[64],
+    }
+
+
 def flat_json(summary: Dict[str, Dict[str, Any]], meta: Dict[str, Any]) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for router, figures in summary.items():
@@ -198,37 +221,53 @@ def flat_json(summary: Dict[str, Dict[str, Any]], meta: Dict[str, Any]) -> Dict[
 # ----- the occupancy-target sweep -----
 
 
-def print_sweep(targets: Sequence[float], summaries: List[Dict[str, Any]]) -> None:
-    print_table({f"target {t:g}": s for t, s in zip(targets, summaries)})
+SWEEP_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms", "throughput_tok_s", "prefix_hit_rate",
+              "preemptions", "kv_usage_peak", "num_failed", "load_avg")
 
 
-def sweep_json(targets: Sequence[float], summaries: List[Dict[str, Any]]) -> Dict[str, Any]:
-    keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms", "throughput_tok_s", "prefix_hit_rate",
-            "preemptions", "kv_usage_peak", "num_failed", "load_avg")
+def sweep_json(targets: Sequence[float], summaries: List[Dict[str, Any]],
+               suffix: str = "") -> Dict[str, Any]:
+    """One router's figures as lists over the targets: ``<figure>_by_target<suffix>``."""
     out: Dict[str, Any] = {"sweep_targets": list(targets)}
-    for key in keys:
-        out[f"{key}_by_target"] = [s[key] for s in summaries]
+    for key in SWEEP_KEYS:
+        out[f"{key}_by_target{suffix}"] = [s[key] for s in summaries]
     return out
 
 
-def plot_sweep(targets: Sequence[float], summaries: List[Dict[str, Any]], path: str,
-               title: str) -> None:
-    """TTFT p99 and throughput against the occupancy target, one PNG."""
+def plot_sweep(targets: Sequence[float], swept: Dict[str, List[Dict[str, Any]]],
+               baselines: Dict[str, Dict[str, Any]], path: str, title: str) -> None:
+    """TTFT p99 (top) and throughput (bottom) against the occupancy target, one PNG: a line per
+    swept router, a flat dashed line per router run once (the baselines)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, left = plt.subplots(figsize=(6.4, 4.0))
-    left.plot(targets, [s["ttft_p99_ms"] for s in summaries], "o-", color="tab:red")
-    left.set_xlabel("KV occupancy target")
-    left.set_ylabel("TTFT p99 (ms)", color="tab:red")
-    right = left.twinx()
-    right.plot(targets, [s["throughput_tok_s"] for s in summaries], "s--", color="tab:blue")
-    right.set_ylabel("throughput (output tok/s)", color="tab:blue")
-    left.set_ylim(bottom=0)
-    right.set_ylim(bottom=0)  # from zero: a flat line must look flat
-    left.set_title(title, fontsize=9)
+    fig, axes = plt.subplots(2, 1, sharex=True, figsize=(6.4, 6.4))
+    panels = tuple(zip(axes, ("ttft_p99_ms", "throughput_tok_s"),
+                       ("TTFT p99 (ms)", "throughput (output tok/s)")))
+    colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2)
+    for router, summaries in swept.items():
+        color = next(colors)
+        for ax, key, _ in panels:
+            ax.plot(targets, [_nan(s[key]) for s in summaries], "o-", color=color,
+                    label=ROUTER_LABELS[router])
+    for router, summary in baselines.items():
+        color = next(colors)
+        for ax, key, _ in panels:
+            ax.axhline(_nan(summary[key]), color=color, linestyle="--",
+                       label=ROUTER_LABELS[router])
+    for ax, _, ylabel in panels:
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)  # from zero: a flat line must look flat
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[0].set_title(title, fontsize=9)
+    axes[1].set_xlabel("KV occupancy target")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _nan(value: Optional[float]) -> float:
+    return float("nan") if value is None else value

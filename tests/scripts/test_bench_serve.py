@@ -1,7 +1,7 @@
 """scripts/bench_serve.py and its modules (serve_workload, serve_replay, serve_report): the four
-routers and the target sweep end to end on a tiny checkpoint (slow, Ray), its errors on bad trace
-files, and its pure parts (scaling, shared prefixes, KV sizing, --rate auto, /metrics, the JSON
-keys and targets). The trace readers' and sampler's own tests are in test_traces.py."""
+routers, --rate auto and the target sweep end to end in one run on a tiny checkpoint (slow,
+Ray), its errors on bad trace files, and its pure parts (scaling, shared prefixes, KV sizing,
+--rate auto, /metrics, the JSON keys and targets). The trace readers' and sampler's own tests are in test_traces.py."""
 
 from __future__ import annotations
 
@@ -53,19 +53,22 @@ def write_mooncake(path: Path, hash_lists, output_length: int = 3) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.timeout(420)
-def test_four_routers_end_to_end_print_sane_json_last(tmp_path, tiny_llama):
+@pytest.mark.timeout(600)
+def test_four_routers_rate_auto_and_a_target_sweep_end_to_end(tmp_path, tiny_llama):
+    """One run of everything that deploys (each deployment costs seconds): --rate auto's
+    calibration, the KV-aware router at two targets, the three others once as its baselines."""
     # 3 conversations of 2 turns and 2 single requests; prompts / 64: 8 tokens a hash block
     trace = write_mooncake(tmp_path / "trace.jsonl", [
         [1, 2], [3, 4, 5], [1, 2, 6], [7, 8], [3, 4, 5, 9], [10], [7, 8, 11], [12, 13]])
+    plot = tmp_path / "sweep.png"
     proc = run_bench("--model", str(tiny_llama), "--trace", str(trace), "--requests", "6",
-                     "--rate", "20", "--system-prompt-blocks", "2", "--block-size", "4",
-                     "--max-output", "3", "--drain-timeout-s", "60", "--min-turns", "1",
-                     timeout=400)
+                     "--system-prompt-blocks", "2", "--block-size", "4", "--max-output", "3",
+                     "--drain-timeout-s", "60", "--min-turns", "1", "--target", "0.7,0.9",
+                     "--calibration-requests", "4", "--plot-out", str(plot), timeout=580)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(REQUIRED_KEYS) <= set(result), set(REQUIRED_KEYS) - set(result)
-    assert "kv-aware" in proc.stdout and "prefix affinity" in proc.stdout
+    assert "kv-aware @0.9" in proc.stdout and "prefix affinity" in proc.stdout
     for suffix in ("", "_pow2", "_prefix_affinity", "_round_robin"):
         assert result["num_ok" + suffix] == 6 and result["num_failed" + suffix] == 0
         assert result["output_tokens" + suffix] == 18  # 3 tokens each, every request
@@ -75,27 +78,18 @@ def test_four_routers_end_to_end_print_sane_json_last(tmp_path, tiny_llama):
         assert len(result["kv_usage_mean_by_group" + suffix]) == 2
     assert result["num_requests"] == 6 and 3 <= result["num_conversations"] <= 4
     assert result["router_decision_source"].startswith("live")
-    assert result["num_router_decisions"] == 6
+    assert result["num_router_decisions"] == 6  # the first target's run
     assert 0 < result["router_decision_us_p50"] < 100_000
-    assert result["rate_req_s"] == 20 and result["model"] == "llama"
-
-
-@pytest.mark.slow
-@pytest.mark.ray
-@pytest.mark.timeout(420)
-def test_rate_auto_and_a_target_sweep_with_its_plot(tmp_path, tiny_llama):
-    trace = write_mooncake(tmp_path / "trace.jsonl", [[1, 2], [3, 4, 5], [1, 2, 6], [7, 8]])
-    plot = tmp_path / "sweep.png"
-    proc = run_bench("--model", str(tiny_llama), "--trace", str(trace), "--requests", "4",
-                     "--block-size", "4", "--max-output", "2", "--target", "0.5,0.9",
-                     "--calibration-requests", "4", "--plot-out", str(plot), "--min-turns", "1",
-                     timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["sweep_targets"] == [0.5, 0.9] and len(result["ttft_p99_ms_by_target"]) == 2
+    assert result["model"] == "llama"
+    # the sweep: the unsuffixed figures are the first target's
+    assert result["sweep_targets"] == [0.7, 0.9]
+    assert result["ttft_p99_ms_by_target"][0] == result["ttft_p99_ms"]
+    assert len(result["throughput_tok_s_by_target"]) == 2
+    assert "ttft_p99_ms_by_target_pow2" not in result  # run once: a baseline
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    # --rate auto
     assert result["rate_req_s"] == pytest.approx(0.9 * result["sustained_req_s"], rel=0.01)
     assert "--rate auto: the groups sustained" in proc.stdout
-    assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("content, expected", [
@@ -251,8 +245,9 @@ def test_rate_and_sizes_take_auto_or_a_number(bench):
     assert (args.rate, args.kv_blocks, args.targets) == (1.5, 300, [0.5, 0.9])
     assert args.calibration_requests == 10
     assert bench.parse_args(["--min-turns", "3"]).min_turns == 3
+    assert bench.parse_args(["--routers", "kv_strict,pow2", "--target", "0.5,0.9"]).targets
     for bad in (["--rate", "fast"], ["--routers", "kv,random"], ["--target", "1.5"],
-                ["--min-turns", "0"]):
+                ["--min-turns", "0"], ["--routers", "pow2", "--target", "0.5,0.9"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 
@@ -292,5 +287,10 @@ def test_sweep_json_and_plot(bench, tmp_path):
     out = bench.sweep_json([0.5, 0.7, 0.9], summaries)
     assert out["ttft_p99_ms_by_target"] == [9.0, 8.0, 7.0]
     assert out["throughput_tok_s_by_target"] == [10.0, 11.0, 12.0]
-    bench.plot_sweep([0.5, 0.7, 0.9], summaries, str(tmp_path / "p.png"), "title")
+    variant = bench.sweep_json([0.5, 0.7, 0.9], summaries, bench.json_suffix("kv_strict"))
+    assert variant["ttft_p99_ms_by_target_kv_strict"] == [9.0, 8.0, 7.0]
+    baseline = {**summaries[0], "ttft_p99_ms": None}  # no request finished: no line, no crash
+    bench.plot_sweep([0.5, 0.7, 0.9], {"kv": summaries}, {"pow2": summaries[1], "round_robin":
+                     baseline}, str(tmp_path / "p.png"), "title")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert bench.run_label("kv", 0.5) == "kv-aware @0.5" and bench.run_label("pow2") == "pow2 (default)"
