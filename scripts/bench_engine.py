@@ -19,7 +19,7 @@ fp32 weights, in one process, one after another:
   request's own length are computed but not counted).
 * `transformers` continuous batching: the manager that ``generate_batch`` runs on, fed with
   ``add_request`` so every request keeps its own ``max_new_tokens`` (``generate_batch`` takes one
-  for all).
+  for all), its cache sized to hold the whole workload at once (``num_blocks``).
 
 The machine's limit (roofline) for tpserve's exact steps. Measured here, in this process: the
 memory read bandwidth ``B`` (sum of a 1 GiB fp32 tensor, best of 3) and the fp32 matmul rate ``R``
