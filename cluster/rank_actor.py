@@ -110,6 +110,7 @@ class RayRankActors:
         try:
             ray.get(self._runs, timeout=timeout_s)
         except Exception as exc:  # a rank that died or hung: kill it, the group is going away
-            logger.warning("rank actors did not stop cleanly: %s", exc)
+            logger.warning("rank actors did not stop cleanly within %g s (%s): killing them",
+                           timeout_s, exc)
         for actor in self.actors:
             ray.kill(actor)
