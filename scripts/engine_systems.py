@@ -128,7 +128,8 @@ def run_hf_cb(model, workload: Workload) -> RunResult:
     # a request to spare. Left to size it from free memory, the manager built a 14 GB attention
     # mask on CPU (8,192 x 439,040 fp32) and spent 20 s filling it before the first request.
     page = ContinuousBatchingConfig().page_size
-    blocks = sum(-(-(len(p) + k) // page) + 1 for p, k in zip(workload.prompts, workload.max_tokens))
+    blocks = sum(-(-(len(p) + k) // page) + 1
+                 for p, k in zip(workload.prompts, workload.max_tokens))
     with model.continuous_batching_context_manager(
             generation_config=config, workload_hints=hints, block=True, timeout=30,
             continuous_batching_config=ContinuousBatchingConfig(num_blocks=blocks + 1)) as manager:

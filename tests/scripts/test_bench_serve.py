@@ -1,7 +1,8 @@
 """scripts/bench_serve.py and its modules (serve_workload, serve_replay, serve_report): the four
 routers, --rate auto and the target sweep end to end in one run on a tiny checkpoint (slow,
 Ray), its errors on bad trace files, and its pure parts (scaling, shared prefixes, KV sizing,
---rate auto, /metrics, the JSON keys and targets). The trace readers' and sampler's own tests are in test_traces.py."""
+--rate auto, /metrics, the JSON keys and targets). The trace readers' and sampler's own tests
+are in test_traces.py."""
 
 from __future__ import annotations
 
@@ -293,4 +294,5 @@ def test_sweep_json_and_plot(bench, tmp_path):
     bench.plot_sweep([0.5, 0.7, 0.9], {"kv": summaries}, {"pow2": summaries[1], "round_robin":
                      baseline}, str(tmp_path / "p.png"), "title")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
-    assert bench.run_label("kv", 0.5) == "kv-aware @0.5" and bench.run_label("pow2") == "pow2 (default)"
+    assert bench.run_label("kv", 0.5) == "kv-aware @0.5"
+    assert bench.run_label("pow2") == "pow2 (default)"
