@@ -1,6 +1,6 @@
-"""`tpserve generate` as a user runs it: a subprocess, JSON lines out, clear errors. Errors found
-before a model loads are checked through the same entry point in this process (`cli_errors`):
-a subprocess per case would spend seconds importing torch to print one line."""
+"""`tpserve generate` as a user runs it: a subprocess, JSON lines out, clear errors. Most error
+cases run the same entry point in this process (`cli_errors`): a subprocess per case would spend
+seconds importing torch to print one line."""
 
 import json
 import subprocess
