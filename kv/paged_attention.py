@@ -1,9 +1,11 @@
 """Paged attention over block tables in plain PyTorch (runs on CPU and CUDA alike).
 
-Decodes: queries and the keys/values of every visible cached position are gathered into padded
-dense tensors and attended with one ``scaled_dot_product_attention`` call. Grouped-query attention
-never repeats K/V there: the ``G`` query heads that share a KV head are folded into the query
-length, ``[B, Hkv, G, D]``, so a KV head is read once for its whole group. Cost per layer: a
+Decodes: on CPU in fp32, a C kernel reads each sequence's keys and values where they lie in the
+cache (``kv/cpu_decode.py``). Elsewhere, queries and the keys/values of every visible cached
+position are gathered into padded dense tensors and attended with one
+``scaled_dot_product_attention`` call. Grouped-query attention never repeats K/V there: the ``G``
+query heads that share a KV head are folded into the query length, ``[B, Hkv, G, D]``, so a KV
+head is read once for its whole group. Cost per layer: a
 gather of ``B * K`` K and V rows and ``B * H * K`` scores, ``K`` the longest context in the bucket
 or at most the sliding window: keys that left the window are not gathered at all.
 
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kv.attention_metadata import AttentionBucket, AttentionMetadata, PrefillSlice
+from kv.cpu_decode import decode_kernel
 
 # Torch's CPU flash attention with its log-sum-exp (what SDPA calls on CPU); None if this torch
 # lacks it, and the masked call is used.
@@ -113,6 +116,11 @@ def _attend_decodes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_kv_heads = k_cache.shape[1]
     q = query.index_select(0, bucket.token_index).view(
         num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+    kernel = decode_kernel() if not query.is_cuda else None
+    if kernel is not None and kernel.accepts(query, k_cache):  # CPU: from the cache, no gather
+        out = kernel.attend(q, k_cache, v_cache, bucket.kv_slots,
+                            bucket.mask.view(num_seqs, -1), scale)
+        return out.view(num_seqs, num_heads * head_dim)
     k = gather_rows(k_cache, bucket.kv_slots).transpose(1, 2)  # [B, Hkv, K, D]
     v = gather_rows(v_cache, bucket.kv_slots).transpose(1, 2)  # [B, Hkv, K, D]
     # mask [B, 1, 1, K] broadcasts over the KV heads and the G query heads of each

@@ -16,6 +16,20 @@ import pytest  # noqa: E402
 from tiny_models import build_checkpoint  # noqa: E402
 
 
+@pytest.fixture(params=["kernel", "pytorch"])
+def decode_path(request, monkeypatch):
+    """Runs a test with CPU decodes on the C kernel (``kv/cpu_decode.py``), then on the PyTorch
+    gather + SDPA path it replaces where it cannot be built."""
+    from kv.cpu_decode import SWITCH_ENV, decode_kernel
+
+    if request.param == "pytorch":
+        monkeypatch.setenv(SWITCH_ENV, "0")
+    decode_kernel.cache_clear()
+    assert (decode_kernel() is not None) == (request.param == "kernel")
+    yield request.param
+    decode_kernel.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """A tiny random Llama checkpoint (with a BPE tokenizer and chat template)."""

@@ -21,7 +21,7 @@ LONG_PREFIXES = [(40, 24), (3, 30), (17, 2), (40, SPLIT_MIN_QUERY + 88)]
 @pytest.mark.parametrize("heads,kv_heads,window,shapes", [
     (4, 4, None, MIXED), (4, 2, None, MIXED), (6, 1, 5, MIXED), (4, 2, None, MANY_DECODES),
     (4, 2, None, LONG_PREFIXES), (4, 4, 50, LONG_PREFIXES)])
-def test_paged_matches_dense(heads, kv_heads, window, shapes):
+def test_paged_matches_dense(heads, kv_heads, window, shapes, decode_path):
     torch.manual_seed(0)
     rng = random.Random(0)
     block_size, head_dim, num_blocks = 4, 8, 256

@@ -66,7 +66,7 @@ SHAPES = [(37, 1), (20, 1), (3, 1), (29, 6), (0, 13), (51, 1), (12, 3)]
 
 
 @pytest.mark.parametrize("window", [5, 8, 9])
-def test_keys_that_left_the_window_are_never_read(window):
+def test_keys_that_left_the_window_are_never_read(window, decode_path):
     out, expected = run(SHAPES, window, poison_before_window=True)
     assert not out.isnan().any()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

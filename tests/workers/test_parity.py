@@ -69,6 +69,15 @@ def test_tp1_matches_transformers_under_preemption(checkpoints, references, kind
     assert first == references[kind] and second == references[kind]
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_tp1_matches_transformers_on_both_cpu_decode_paths(checkpoints, references, kind,
+                                                           decode_path):
+    """Decodes on the C kernel and on the PyTorch path it replaces (GQA; one KV head and a
+    sliding window)."""
+    first, second, _, _ = run_twice(checkpoints[kind], num_kv_blocks=256)
+    assert first == references[kind] and second == references[kind]
+
+
 def test_chunked_prefill_matches_transformers(checkpoints, references):
     first, _, _, _ = run_twice(checkpoints["qwen2"], max_num_batched_tokens=7,
                                num_kv_blocks=256)

@@ -1,0 +1,132 @@
+"""The CPU decode kernel (C, compiled on first use) equals the PyTorch path, and a machine where it
+cannot be built runs the PyTorch path with a warning."""
+
+import logging
+import os
+import stat
+import tempfile
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kv.cpu_decode as cpu_decode
+from kv.cpu_decode import DecodeKernel, KernelBuildError, build, decode_kernel, reference_attend
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path):
+    """decode_kernel() looked up again, with its builds in tmp_path; cleared again afterwards."""
+    monkeypatch.setenv(cpu_decode.CACHE_ENV, str(tmp_path))
+    decode_kernel.cache_clear()
+    yield tmp_path / "kernels"
+    decode_kernel.cache_clear()
+
+
+def test_the_kernel_builds_and_runs_on_the_machines_the_suite_runs_on():
+    kernel = decode_kernel()
+    assert kernel is not None, "no C compiler, or the kernel failed its check: see the log"
+    assert kernel.accepts(torch.zeros(1, 8, 64), torch.zeros(16, 2, 64))
+    assert not kernel.accepts(torch.zeros(1, 8, 64, dtype=torch.bfloat16),
+                              torch.zeros(16, 2, 64, dtype=torch.bfloat16))
+
+
+@settings(max_examples=40, deadline=None)
+@given(num_seqs=st.integers(1, 5), num_kv_heads=st.sampled_from([1, 2, 4]),
+       group=st.sampled_from([1, 2, 4, 8]), head_dim=st.sampled_from([64, 128, 40]),
+       num_keys=st.integers(1, 1200), holes=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_the_kernel_equals_gather_and_sdpa(num_seqs, num_kv_heads, group, head_dim, num_keys,
+                                           holes, seed):
+    """Shapes across the kernel's tiles (32 keys) and parts (512), GQA ratios 1-8 and MQA, head
+    dims 64/128 and an odd one, padded rows (valid prefixes of random lengths) or keys masked
+    anywhere (at least one seen per row)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = 2048
+    k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(num_seqs, num_kv_heads, group, head_dim, generator=gen)
+    slots = torch.randint(0, num_slots, (num_seqs, num_keys), generator=gen)
+    if holes:
+        valid = torch.rand(num_seqs, num_keys, generator=gen) < 0.7
+    else:
+        lengths = torch.randint(1, num_keys + 1, (num_seqs,), generator=gen)
+        valid = torch.arange(num_keys)[None, :] < lengths[:, None]
+    valid[:, torch.randint(0, num_keys, (1,), generator=gen)] = True
+    scale = head_dim ** -0.5
+    got = decode_kernel().attend(q, k_cache, v_cache, slots, valid, scale)
+    torch.testing.assert_close(got, reference_attend(q, k_cache, v_cache, slots, valid, scale),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_no_mask_means_every_key():
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(2, 64, 2, 64, generator=gen)
+    q = torch.randn(3, 2, 4, 64, generator=gen)
+    slots = torch.randint(0, 64, (3, 700), generator=gen)
+    got = decode_kernel().attend(q, k_cache, v_cache, slots, None, 0.125)
+    torch.testing.assert_close(got, reference_attend(q, k_cache, v_cache, slots, None, 0.125))
+
+
+def test_shapes_it_cannot_run_are_refused_by_name():
+    with pytest.raises(ValueError, match="at least one key"):
+        decode_kernel().attend(torch.zeros(1, 1, 1, 64), torch.zeros(4, 1, 64),
+                               torch.zeros(4, 1, 64), torch.zeros(1, 0, dtype=torch.int64), None,
+                               1.0)
+
+
+def test_loading_it_leaves_denormals_alone(tmp_path):
+    """Linked with -ffast-math, GCC 12 adds code that sets flush-to-zero for the whole process
+    when the library loads: every torch op after it would change."""
+    DecodeKernel(build(tmp_path))
+    tiny = torch.tensor([1e-39])
+    assert (tiny * 2).item() != 0.0
+
+
+def _counting_compiler(tmp_path, real="cc"):
+    """A compiler that logs each call to calls.log, then runs the real one."""
+    script = tmp_path / "counting-cc"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls.log\nexec {real} "$@"\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def test_a_build_is_made_once_and_then_found(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(_counting_compiler(tmp_path)))
+    first = build(tmp_path / "kernels")
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert len(calls) == 2 and " -c " in f" {calls[0]} "  # compiled, then linked
+    assert "-ffast-math" not in calls[1]  # see test_loading_it_leaves_denormals_alone
+    assert build(tmp_path / "kernels") == first
+    assert len((tmp_path / "calls.log").read_text().splitlines()) == 2
+    assert os.listdir(tmp_path / "kernels") == [first.name]  # no scratch left behind
+
+
+def test_a_failing_compiler_is_named_with_its_error(monkeypatch, tmp_path):
+    script = tmp_path / "broken-cc"
+    script.write_text("#!/bin/sh\necho 'fatal: no such target' >&2\nexit 3\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(script))
+    with pytest.raises(KernelBuildError, match=r"broken-cc .*exited 3: fatal: no such target"):
+        build(tmp_path / "kernels")
+    assert os.listdir(tmp_path / "kernels") == []
+
+
+def test_without_a_compiler_decodes_take_the_pytorch_path(monkeypatch, fresh_kernel, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger="kv.cpu_decode"):
+        assert decode_kernel() is None
+    assert "'/nonexistent/cc'" in caplog.text and "PyTorch path" in caplog.text
+
+
+def test_the_switch_turns_it_off(monkeypatch, fresh_kernel):
+    monkeypatch.setenv(cpu_decode.SWITCH_ENV, "0")
+    assert decode_kernel() is None
+    assert not fresh_kernel.exists()  # nothing was built
+
+
+def test_an_unwritable_cache_builds_in_the_temporary_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv(cpu_decode.CACHE_ENV, "/proc/no-such-dir")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    built = build()
+    assert built.parent.parent == tmp_path and built.exists()
