@@ -64,20 +64,23 @@ class DecodeKernel:
         self.path = path
         self._fn = ctypes.CDLL(str(path)).tpserve_paged_decode_f32
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
+        self._fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6
                              + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
 
-    def accepts(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """True for fp32 CPU queries over a contiguous fp32 CPU cache ``[slots, Hkv, D]``."""
+    def accepts(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """True for fp32 CPU queries over contiguous fp32 CPU caches ``[slots, Hkv, D]``."""
         return (query.device.type == "cpu" and query.dtype == torch.float32
-                and k_cache.dtype == torch.float32 and k_cache.device.type == "cpu"
-                and k_cache.is_contiguous() and query.shape[1] <= MAX_HEADS)
+                and query.shape[1] <= MAX_HEADS
+                and all(c.dtype == torch.float32 and c.device.type == "cpu" and c.is_contiguous()
+                        for c in (k_cache, v_cache)))
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                slots: torch.Tensor, valid: Optional[torch.Tensor], scale: float) -> torch.Tensor:
         """``q`` ``[B, Hkv, G, D]`` (one query per sequence), caches ``[slots, Hkv, D]``, ``slots``
-        ``[B, K]`` (the cache slot of each key), ``valid`` ``[B, K]`` bool (None: every key).
-        Returns ``[B, Hkv, G, D]``: each row's softmax-weighted values over the keys it sees."""
+        ``[B, K]`` (the cache slot of each key), ``valid`` ``[B, K]`` bool (None: every key);
+        the caches must be ones it `accepts`. Returns ``[B, Hkv, G, D]``: each row's
+        softmax-weighted values over the keys it sees. A seen key's slot outside the caches
+        raises IndexError (nothing is read there)."""
         num_seqs, num_kv_heads, group, head_dim = q.shape
         q = q.contiguous()
         slots = slots.to(torch.int64).contiguous()
@@ -86,10 +89,13 @@ class DecodeKernel:
         out = torch.empty_like(q)
         if num_seqs == 0:
             return out
-        status = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.contiguous().data_ptr(),
+        status = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                           slots.data_ptr(), None if valid is None else valid.data_ptr(),
-                          num_seqs, slots.shape[1], num_kv_heads, group, head_dim, scale,
-                          torch.get_num_threads(), out.data_ptr())
+                          k_cache.shape[0], num_seqs, slots.shape[1], num_kv_heads, group,
+                          head_dim, scale, torch.get_num_threads(), out.data_ptr())
+        if status == -2:
+            raise IndexError(f"paged decode kernel: a slot outside the cache's "
+                             f"{k_cache.shape[0]} slots")
         if status != 0:
             raise ValueError(f"paged decode kernel refused q {tuple(q.shape)}, slots "
                              f"{tuple(slots.shape)} (needs at least one key, at most "

@@ -117,7 +117,7 @@ def _attend_decodes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q = query.index_select(0, bucket.token_index).view(
         num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
     kernel = decode_kernel() if not query.is_cuda else None
-    if kernel is not None and kernel.accepts(query, k_cache):  # CPU: from the cache, no gather
+    if kernel is not None and kernel.accepts(query, k_cache, v_cache):  # read where they lie
         out = kernel.attend(q, k_cache, v_cache, bucket.kv_slots,
                             bucket.mask.view(num_seqs, -1), scale)
         return out.view(num_seqs, num_heads * head_dim)

@@ -29,9 +29,9 @@ typedef struct {
   const float *q;        /* [B, Hkv, G, D] */
   const float *k_cache;  /* [S, Hkv, D] */
   const float *v_cache;  /* [S, Hkv, D] */
-  const int64_t *slots;  /* [B, K] */
+  const int64_t *slots;  /* [B, K], each in [0, S) */
   const uint8_t *valid;  /* [B, K], nonzero where the key is seen; NULL: all */
-  int64_t K, Hkv, G, D;
+  int64_t S, K, Hkv, G, D;
   float scale;
 } Inputs;
 
@@ -104,9 +104,10 @@ static void attend_tile(const Inputs *in, const float *q, const int64_t *rows, i
   }
 }
 
-/* Keys k0..k1 of sequence b: unnormalized acc [H, D], maxima m [H], sums l [H]. */
-static void attend_part(const Inputs *in, int64_t b, int64_t k0, int64_t k1, float *acc,
-                        float *m, float *l) {
+/* Keys k0..k1 of sequence b: unnormalized acc [H, D], maxima m [H], sums l [H]. Returns 0, or
+ * -2 for a slot outside the cache (nothing read there). */
+static int attend_part(const Inputs *in, int64_t b, int64_t k0, int64_t k1, float *acc,
+                       float *m, float *l) {
   const int64_t H = in->Hkv * in->G, D = in->D, row = in->Hkv * in->D;
   const float *q = in->q + b * H * D;
   const int64_t *slots = in->slots + b * in->K;
@@ -120,10 +121,14 @@ static void attend_part(const Inputs *in, int64_t b, int64_t k0, int64_t k1, flo
   for (int64_t start = k0; start < k1; start += TILE) {
     const int64_t end = start + TILE < k1 ? start + TILE : k1;
     int64_t n = 0;
-    for (int64_t k = start; k < end; k++)
-      if (!valid || valid[k]) rows[n++] = slots[k] * row;
+    for (int64_t k = start; k < end; k++) {
+      if (valid && !valid[k]) continue;
+      if (slots[k] < 0 || slots[k] >= in->S) return -2;
+      rows[n++] = slots[k] * row;
+    }
     if (n) attend_tile(in, q, rows, n, acc, m, l);
   }
+  return 0;
 }
 
 /* Merges the parts of one sequence into out [G, D] (G: here every query head). */
@@ -149,15 +154,17 @@ static void merge_parts(const float *acc, const float *m, const float *l, int64_
   }
 }
 
-/* out [B, Hkv, G, D]. Returns 0, or -1 for arguments it cannot run (nothing written). */
+/* out [B, Hkv, G, D] over caches of S slots. Returns 0; -1 for arguments it cannot run, -2 for
+ * a seen key's slot outside [0, S) (out is then not written). */
 int tpserve_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
-                             const int64_t *slots, const uint8_t *valid, int64_t B, int64_t K,
-                             int64_t Hkv, int64_t G, int64_t D, float scale, int num_threads,
-                             float *out) {
+                             const int64_t *slots, const uint8_t *valid, int64_t S, int64_t B,
+                             int64_t K, int64_t Hkv, int64_t G, int64_t D, float scale,
+                             int num_threads, float *out) {
   const int64_t H = Hkv * G;
   if (B < 0 || K < 1 || Hkv < 1 || G < 1 || H > MAX_HEADS || D < 1 || num_threads < 1)
     return -1;
-  const Inputs in = {q, k_cache, v_cache, slots, valid, K, Hkv, G, D, scale};
+  const Inputs in = {q, k_cache, v_cache, slots, valid, S, K, Hkv, G, D, scale};
+  int status = 0;
   const int64_t parts = (K + PART - 1) / PART, tasks = B * parts;
   float *acc = malloc(sizeof(float) * (tasks * H * D + 2 * tasks * H + 1));
   if (!acc) return -1;
@@ -166,12 +173,17 @@ int tpserve_paged_decode_f32(const float *q, const float *k_cache, const float *
   for (int64_t t = 0; t < tasks; t++) {
     const int64_t part = t % parts, b = t / parts;
     const int64_t k0 = part * PART, k1 = k0 + PART < K ? k0 + PART : K;
-    attend_part(&in, b, k0, k1, acc + t * H * D, m + t * H, l + t * H);
+    if (attend_part(&in, b, k0, k1, acc + t * H * D, m + t * H, l + t * H)) {
+#pragma omp atomic write
+      status = -2;
+    }
   }
+  if (status == 0) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t b = 0; b < B; b++)
-    merge_parts(acc + b * parts * H * D, m + b * parts * H, l + b * parts * H, parts, H, D,
-                out + b * H * D);
+    for (int64_t b = 0; b < B; b++)
+      merge_parts(acc + b * parts * H * D, m + b * parts * H, l + b * parts * H, parts, H, D,
+                  out + b * H * D);
+  }
   free(acc);
-  return 0;
+  return status;
 }

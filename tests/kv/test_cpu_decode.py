@@ -27,9 +27,11 @@ def fresh_kernel(monkeypatch, tmp_path):
 def test_the_kernel_builds_and_runs_on_the_machines_the_suite_runs_on():
     kernel = decode_kernel()
     assert kernel is not None, "no C compiler, or the kernel failed its check: see the log"
-    assert kernel.accepts(torch.zeros(1, 8, 64), torch.zeros(16, 2, 64))
+    cache = torch.zeros(16, 2, 64)
+    assert kernel.accepts(torch.zeros(1, 8, 64), cache, cache)
     assert not kernel.accepts(torch.zeros(1, 8, 64, dtype=torch.bfloat16),
-                              torch.zeros(16, 2, 64, dtype=torch.bfloat16))
+                              cache.bfloat16(), cache.bfloat16())
+    assert not kernel.accepts(torch.zeros(1, 8, 64), cache, torch.zeros(2, 16, 64).transpose(0, 1))
 
 
 @settings(max_examples=40, deadline=None)
@@ -73,6 +75,16 @@ def test_shapes_it_cannot_run_are_refused_by_name():
         decode_kernel().attend(torch.zeros(1, 1, 1, 64), torch.zeros(4, 1, 64),
                                torch.zeros(4, 1, 64), torch.zeros(1, 0, dtype=torch.int64), None,
                                1.0)
+
+
+@pytest.mark.parametrize("bad_slot", [64, -1])
+def test_a_slot_outside_the_cache_is_an_error_not_a_read(bad_slot):
+    cache = torch.zeros(64, 1, 64)
+    slots = torch.tensor([[0, 5, 9], [3, bad_slot, 4]])
+    with pytest.raises(IndexError, match="outside the cache's 64 slots"):
+        decode_kernel().attend(torch.zeros(2, 1, 2, 64), cache, cache, slots, None, 1.0)
+    masked = torch.tensor([[True, True, True], [True, False, True]])  # never read: no error
+    decode_kernel().attend(torch.zeros(2, 1, 2, 64), cache, cache, slots, masked, 1.0)
 
 
 def test_loading_it_leaves_denormals_alone(tmp_path):
