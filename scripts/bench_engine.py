@@ -65,6 +65,7 @@ if str(SCRIPTS) not in sys.path:  # imported by path (tests): the trace readers 
 
 import torch  # noqa: E402
 
+import kv.cpu_decode as cpu_decode  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.llm import LLM  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
@@ -187,6 +188,9 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     threads = torch.get_num_threads()
     llm = build_engine(args)
     torch.set_num_threads(threads)
+    decode_kernel = cpu_decode.decode_kernel() is not None  # what this process's ranks run
+    print(f"CPU decodes: {'the C kernel' if decode_kernel else 'the PyTorch path'} "
+          "(kv/cpu_decode.py)")
     try:
         engine = llm.engine
         first = measure_machine(engine.model_config, "before")
@@ -209,6 +213,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
             "prompt_scale": args.prompt_scale, "output_scale": args.output_scale,
             "hf_batch_size": args.hf_batch_size, **summary(reports[0], ""),
             **summary(reports[1], "decode_"), **machine, "torch_threads": threads,
+            "cpu_decode_kernel": decode_kernel,
             "load_average_start": load_start, "load_average_end": os.getloadavg()[0],
             "bench_wall_s": time.perf_counter() - started}
 

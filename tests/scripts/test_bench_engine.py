@@ -63,6 +63,7 @@ def test_bench_prints_sane_json_last(tmp_path, tiny_llama):
         for key in ("output_tokens", "hf_generate_output_tokens", "hf_cb_output_tokens"):
             assert result[f"{prefix}{key}"] == expected, key
     assert "machine limit" in proc.stdout and "hf_cb" in proc.stdout
+    assert result["cpu_decode_kernel"] is True and "CPU decodes: the C kernel" in proc.stdout
 
 
 def test_malformed_trace_exits_nonzero_naming_the_file(tmp_path):
