@@ -1,7 +1,7 @@
 /* Paged decode attention on CPU, fp32: one query token per sequence attends to its keys and
  * values where they lie in the paged cache, read through each sequence's slot list. No gather
- * into padded dense tensors: a key row is read once, from the cache, for all the query heads
- * that share its KV head.
+ * into padded dense tensors: each slot's key and value rows (all its KV heads) are read once,
+ * from the cache, for every query head.
  *
  * Work is split into tasks of (sequence, a part of PART keys), run on OpenMP threads (the
  * process's OpenMP runtime: torch's, which loaded it first), each an online softmax of every
