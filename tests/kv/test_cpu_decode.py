@@ -142,3 +142,13 @@ def test_an_unwritable_cache_builds_in_the_temporary_directory(monkeypatch, tmp_
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     built = build()
     assert built.parent.parent == tmp_path and built.exists()
+
+
+def test_an_engine_on_cpu_has_it_before_its_first_step(fresh_kernel, tiny_llama):
+    """Compiled (about a second) while the rank starts, not in the first request's decode."""
+    from workers.config import EngineConfig
+    from workers.llm import LLM
+
+    with LLM(EngineConfig(model=str(tiny_llama), num_kv_blocks=16)):
+        assert decode_kernel.cache_info().misses == 1 and decode_kernel() is not None
+        assert list(fresh_kernel.glob("paged_decode-*.so"))
