@@ -5,9 +5,9 @@ cache (``kv/cpu_decode.py``). Elsewhere, queries and the keys/values of every vi
 position are gathered into padded dense tensors and attended with one
 ``scaled_dot_product_attention`` call. Grouped-query attention never repeats K/V there: the ``G``
 query heads that share a KV head are folded into the query length, ``[B, Hkv, G, D]``, so a KV
-head is read once for its whole group. Cost per layer: a
-gather of ``B * K`` K and V rows and ``B * H * K`` scores, ``K`` the longest context in the bucket
-or at most the sliding window: keys that left the window are not gathered at all.
+head is read once for its whole group. Cost per layer: a gather of ``B * K`` K and V rows and
+``B * H * K`` scores, ``K`` the longest context in the bucket or at most the sliding window: keys
+that left the window are not gathered (nor read by the kernel) at all.
 
 Prefills: one call per sequence over its exact context (no padding), causal without a mask when
 nothing is cached before it. Cost per layer: ``H * query_len * K`` scores, ``K`` the keys its

@@ -188,8 +188,8 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     threads = torch.get_num_threads()
     llm = build_engine(args)
     torch.set_num_threads(threads)
-    decode_kernel = cpu_decode.decode_kernel() is not None  # what this process's ranks run
-    print(f"CPU decodes: {'the C kernel' if decode_kernel else 'the PyTorch path'} "
+    on_kernel = cpu_decode.decode_kernel() is not None  # what this process's ranks run
+    print(f"CPU decodes: {'the C kernel' if on_kernel else 'the PyTorch path'} "
           "(kv/cpu_decode.py)")
     try:
         engine = llm.engine
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
             "prompt_scale": args.prompt_scale, "output_scale": args.output_scale,
             "hf_batch_size": args.hf_batch_size, **summary(reports[0], ""),
             **summary(reports[1], "decode_"), **machine, "torch_threads": threads,
-            "cpu_decode_kernel": decode_kernel,
+            "cpu_decode_kernel": on_kernel,
             "load_average_start": load_start, "load_average_end": os.getloadavg()[0],
             "bench_wall_s": time.perf_counter() - started}
 
