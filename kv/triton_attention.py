@@ -22,7 +22,7 @@ Cost: decode reads each visible K/V row once per KV head; prefill once per query
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -32,6 +32,13 @@ from kv.block_table_metadata import BlockTableMetadata
 
 DECODE_BLOCK_N = 32  # keys per decode tile
 PREFILL_BLOCK_N = 32  # keys per prefill tile
+# Query rows per prefill program. fp32 (the exact-parity runs) takes 16: its tl.dot runs on CUDA
+# cores with tiles in registers, and 32 or 64 rows spilled on sm_90 (`ptxas -v` through
+# scripts/check_triton_kernels.py: 64 rows spilled 1.2 KB at head dim 64 and 39.5 KB at 128;
+# 32 rows 1.7 KB at 128; 16 rows none, 72 and 114 registers). 16-bit inputs take 64 (95 and
+# 168 registers, no spills).
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_M_FP32 = 16
 MIN_SPLIT_KEYS = 256  # a decode split walks at least this many keys
 TARGET_PROGRAMS = 512  # decode programs worth launching (an H200 has 132 SMs)
 
@@ -214,11 +221,33 @@ def _check_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     assert k_cache.stride() == v_cache.stride(), "K and V caches must share a layout"
 
 
+class KernelLaunch(NamedTuple):
+    """One kernel launch, as built for a step: ``kernel[grid](*args, **constexprs)``. Built apart
+    from the launch so that `scripts/check_triton_kernels.py` compiles exactly what a step runs
+    for a GPU on a machine without one (``kernel.warmup``)."""
+
+    kernel: Any
+    grid: Tuple[int, ...]
+    args: Tuple[Any, ...]
+    constexprs: Dict[str, Any]
+
+    def launch(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constexprs)
+
+
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: BlockTableMetadata, scale: float, out: torch.Tensor,
                  min_split_keys: int = MIN_SPLIT_KEYS) -> None:
     """Attention of the decodes' queries (rows of ``query`` ``[T, H, D]``) over the paged cache
     ``[num_slots, Hkv, D]``, written into their rows of ``out`` ``[T, H * D]``."""
+    for launch in decode_launches(query, k_cache, v_cache, meta, scale, out, min_split_keys):
+        launch.launch()
+
+
+def decode_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: BlockTableMetadata, scale: float, out: torch.Tensor,
+                    min_split_keys: int = MIN_SPLIT_KEYS) -> List[KernelLaunch]:
+    """`paged_decode`'s launches: the split kernel, then the combine kernel if it split."""
     _check_layout(query, k_cache, v_cache)
     _, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
@@ -233,22 +262,22 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_max = query.new_empty(part_shape, dtype=torch.float32)  # [Bd, H, S]
     part_sum = query.new_empty(part_shape, dtype=torch.float32)  # [Bd, H, S]
     window = meta.sliding_window
-    _decode_split_kernel[(meta.num_decodes, num_kv_heads, num_splits)](
+    launches = [KernelLaunch(_decode_split_kernel, (meta.num_decodes, num_kv_heads, num_splits), (
         query, k_cache, v_cache, meta.block_table, meta.decode_ids, meta.query_start,
         meta.context_len, out, part_out, part_max, part_sum,
         scale, window or 0, split_size, num_splits,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
-        meta.block_table.stride(0), out.stride(0),
+        meta.block_table.stride(0), out.stride(0)), dict(
         GROUP=group, GROUP_PAD=_pow2(group), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         PAGE=meta.block_size, BLOCK_N=DECODE_BLOCK_N, HAS_WINDOW=window is not None,
-        SINGLE_SPLIT=num_splits == 1, DOT_PRECISION=_dot_precision(query.dtype))
-    if num_splits == 1:
-        return
-    _decode_combine_kernel[(meta.num_decodes, num_heads)](
-        part_out, part_max, part_sum, out, meta.decode_ids, meta.query_start,
-        num_splits, out.stride(0),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        SPLITS_PAD=triton.next_power_of_2(num_splits))
+        SINGLE_SPLIT=num_splits == 1, DOT_PRECISION=_dot_precision(query.dtype)))]
+    if num_splits > 1:
+        launches.append(KernelLaunch(_decode_combine_kernel, (meta.num_decodes, num_heads), (
+            part_out, part_max, part_sum, out, meta.decode_ids, meta.query_start,
+            num_splits, out.stride(0)), dict(
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PAD=triton.next_power_of_2(num_splits))))
+    return launches
 
 
 def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -256,16 +285,24 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   out: torch.Tensor) -> None:
     """Attention of the chunks of ``prefill_ids`` ``[Bp]`` over their cached and new keys, written
     into their rows of ``out`` ``[T, H * D]``."""
+    prefill_launch(query, k_cache, v_cache, meta, prefill_ids, scale, out).launch()
+
+
+def prefill_launch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: BlockTableMetadata, prefill_ids: torch.Tensor, scale: float,
+                   out: torch.Tensor) -> KernelLaunch:
+    """`paged_prefill`'s launch."""
     _check_layout(query, k_cache, v_cache)
     _, num_heads, head_dim = query.shape
-    block_m = min(64, _pow2(meta.max_query_len))
+    most = PREFILL_BLOCK_M_FP32 if query.dtype == torch.float32 else PREFILL_BLOCK_M
+    block_m = min(most, _pow2(meta.max_query_len))
     window = meta.sliding_window
     grid = (prefill_ids.shape[0], -(-meta.max_query_len // block_m), num_heads)
-    _prefill_kernel[grid](
+    return KernelLaunch(_prefill_kernel, grid, (
         query, k_cache, v_cache, out, meta.block_table, prefill_ids, meta.query_start,
         meta.query_len, meta.context_len, scale, window or 0,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
-        meta.block_table.stride(0), out.stride(0),
+        meta.block_table.stride(0), out.stride(0)), dict(
         GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=_pow2(head_dim),
         PAGE=meta.block_size, BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N,
-        HAS_WINDOW=window is not None, DOT_PRECISION=_dot_precision(query.dtype))
+        HAS_WINDOW=window is not None, DOT_PRECISION=_dot_precision(query.dtype)))

@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""Compile tpserve's Triton attention kernels for NVIDIA GPUs on a machine without one: every
+launch a step makes, for real model shapes and dtypes, through Triton's own CUDA compiler and the
+``ptxas`` it ships, as the first step on a GPU would compile them.
+
+    python scripts/check_triton_kernels.py                 # sm_90 (H100/H200), every shape
+    python scripts/check_triton_kernels.py --arch 80,90    # A100 and H100/H200
+    python scripts/check_triton_kernels.py --quick         # two shapes (the test suite's run)
+
+Why: the suite runs the kernels in Triton's interpreter (``TRITON_INTERPRET=1``), which executes
+them as NumPy and so accepts kernels the compiler rejects (shapes ``tl.dot`` cannot tile, types
+the target lacks) and says nothing of registers or shared memory. Here the launches are built by
+the same code as a step's (`kv.triton_attention.decode_launches` / `prefill_launch`, on CPU
+tensors shaped and typed as on the device) and compiled with ``kernel.warmup``: Triton binds and
+specializes the arguments as for a launch, then compiles to PTX and, through ``ptxas``, to a
+cubin, without launching. A check fails when a kernel does not compile, needs more shared memory
+than the architecture allows a block, or spills registers (``ptxas -v``).
+
+No GPU, no CUDA driver: Triton's active driver is replaced, for this process only, by one that
+answers the target (`CompileOnlyDriver`). Prints a line per kernel and, last, one JSON object;
+exits 1 if a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+# The kernels must be decorated as compiled, not interpreted: before kv.triton_attention loads.
+os.environ["TRITON_INTERPRET"] = "0"
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.driver import DriverBase  # noqa: E402
+
+from kv import triton_attention  # noqa: E402
+from kv.attention_metadata import SeqSlice  # noqa: E402
+from kv.block_table_metadata import build_block_table_metadata  # noqa: E402
+
+# Shared memory one block may use (opt-in maximum), by compute capability.
+MAX_SHARED_BYTES = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+BLOCK_SIZE = 16  # tokens per KV block, the engine's default
+CPU = torch.device("cpu")
+_USAGE: Dict[str, Dict[str, int]] = {}  # kernel hash -> ptxas figures, in this process
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The attention of one model at TP 1 (query heads, KV heads, head dim, sliding window)."""
+
+    name: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: Optional[int] = None
+
+
+SHAPES = (
+    Shape("SmolLM2-135M", 9, 3, 64),  # GQA 3: a group padded to 16 rows
+    Shape("Llama-3.2-1B", 32, 8, 64),
+    Shape("Llama-3.1-8B", 32, 8, 128),
+    Shape("Qwen2.5-7B", 28, 4, 128),  # GQA 7
+    Shape("Mistral-7B-v0.1", 32, 8, 128, window=4096),
+    Shape("MQA, 16 heads", 16, 1, 128),  # one KV head: the whole group in one tile
+)
+QUICK_SHAPES = ("SmolLM2-135M", "Mistral-7B-v0.1")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# The steps each shape is compiled for, as (cached tokens, new tokens) per sequence: decodes with
+# one split (many short ones) and with several (few long ones), prefills over a cached prefix
+# in long chunks (BLOCK_M 64) and short ones (BLOCK_M 16).
+STEPS = {
+    "decode": [(100, 1)] * 64,
+    "decode, split": [(3000, 1)] * 2,
+    "prefill": [(500, 300), (0, 64)],
+    "prefill, short": [(40, 3), (7, 9)],
+}
+
+
+class CompileOnlyDriver(DriverBase):
+    """Triton's driver for compiling without a device: it names the target, and has nothing to
+    launch on (``kernel.warmup`` compiles only). Its device number is the target's capability:
+    a kernel keeps its compiled variants and its target per device, so each target needs its
+    own number, or a second one would get the first one's kernels back."""
+
+    def __init__(self, target: GPUTarget) -> None:
+        self.target = target
+
+    @classmethod
+    def is_active(cls) -> bool:
+        return False
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        raise NotImplementedError("compile only: nothing is launched")
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+    def get_active_torch_device(self) -> torch.device:
+        return CPU
+
+    def get_benchmarker(self):
+        raise NotImplementedError("compile only: nothing is timed")
+
+    def get_current_device(self) -> int:
+        return self.target.arch
+
+    def get_current_stream(self, device: int) -> int:
+        return 0
+
+
+def step_launches(shape: Shape, dtype: torch.dtype,
+                  seqs: Sequence[tuple]) -> List[triton_attention.KernelLaunch]:
+    """The launches of one step of ``seqs`` ((cached, new) each) for ``shape``, on CPU tensors."""
+    slices, next_block = [], 0
+    for num_computed, query_len in seqs:
+        num_blocks = -(-(num_computed + query_len) // BLOCK_SIZE)
+        slices.append(SeqSlice(query_len, num_computed,
+                               list(range(next_block, next_block + num_blocks))))
+        next_block += num_blocks
+    meta = build_block_table_metadata(slices, BLOCK_SIZE, CPU, [shape.window])[0]
+    num_tokens = sum(new for _, new in seqs)
+    query = torch.empty(num_tokens, shape.heads, shape.head_dim, dtype=dtype)
+    k_cache = torch.empty(next_block * BLOCK_SIZE, shape.kv_heads, shape.head_dim, dtype=dtype)
+    v_cache = torch.empty_like(k_cache)
+    out = torch.empty(num_tokens, shape.heads * shape.head_dim, dtype=dtype)
+    scale = shape.head_dim ** -0.5
+    launches = []
+    if meta.num_decodes:
+        launches += triton_attention.decode_launches(query, k_cache, v_cache, meta, scale, out)
+    if meta.prefill_ids.shape[0]:
+        launches.append(triton_attention.prefill_launch(query, k_cache, v_cache, meta,
+                                                        meta.prefill_ids, scale, out))
+    return launches
+
+
+def ptxas_usage(log: str) -> Dict[str, int]:
+    """Registers and spill bytes from ``ptxas -v``'s log."""
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if registers is None or spills is None:
+        raise RuntimeError(f"no ptxas -v figures in Triton's ptxas log: {log[-2000:]!r}")
+    return {"registers": int(registers.group(1)),
+            "spill_bytes": int(spills.group(1)) + int(spills.group(2))}
+
+
+def compile_launch(launch: triton_attention.KernelLaunch, arch: int) -> Dict:
+    """Compile one launch for ``arch``; its figures and what is wrong with it (``problems``).
+    Triton runs ``ptxas -v`` itself and prints its log (``dump_ptxas_log``), read here: the
+    figures are those of the cubin Triton built, with its own ptxas options."""
+    started = time.perf_counter()
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        kernel = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.constexprs)
+    compile_s = time.perf_counter() - started
+    # Two launches may specialize to one kernel: compiled (and logged) once in this process.
+    usage = _USAGE.get(kernel.hash) or _USAGE.setdefault(kernel.hash, ptxas_usage(log.getvalue()))
+    shared = kernel.metadata.shared
+    problems = []
+    if not kernel.asm.get("cubin"):
+        problems.append("no cubin")
+    if shared > MAX_SHARED_BYTES[arch]:
+        problems.append(f"{shared} bytes of shared memory > sm_{arch}'s {MAX_SHARED_BYTES[arch]}")
+    if usage["spill_bytes"]:
+        problems.append(f"spills {usage['spill_bytes']} bytes of registers")
+    return {"kernel": kernel.name, "num_warps": kernel.metadata.num_warps,
+            "shared_bytes": shared, **usage, "compile_s": round(compile_s, 2),
+            "problems": problems}
+
+
+def with_block_m(launch: triton_attention.KernelLaunch,
+                 block_m: Optional[int]) -> triton_attention.KernelLaunch:
+    """``launch`` with ``block_m`` query rows per prefill program instead of the engine's (to try
+    tile sizes; compiled only, so the grid is left as it was)."""
+    if block_m is None or "BLOCK_M" not in launch.constexprs:
+        return launch
+    return launch._replace(constexprs={**launch.constexprs, "BLOCK_M": block_m})
+
+
+def run(arches: Sequence[int], shapes: Sequence[Shape], dtypes: Sequence[str],
+        prefill_block_m: Optional[int] = None) -> Dict:
+    rows, failures = [], 0
+    for arch in arches:
+        # For the rest of this process: it compiles only (there is no driver to go back to).
+        triton.runtime.driver.set_active(CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
+        for shape in shapes:
+            for dtype in dtypes:
+                for step, seqs in STEPS.items():
+                    for launch in step_launches(shape, DTYPES[dtype], seqs):
+                        launch = with_block_m(launch, prefill_block_m)
+                        row = {"arch": arch, "shape": shape.name, "dtype": dtype, "step": step}
+                        try:
+                            row.update(compile_launch(launch, arch))
+                        except Exception as e:  # a compile error is the finding: report it
+                            row.update(kernel=launch.kernel.fn.__name__,
+                                       problems=[f"{type(e).__name__}: {e}"[:2000]])
+                        failures += bool(row["problems"])
+                        rows.append(row)
+                        print_row(row)
+    return {"ok": failures == 0, "num_compiled": len(rows), "num_failed": failures,
+            "arches": list(arches), "triton": triton.__version__,
+            "max_registers": max((r.get("registers", 0) for r in rows), default=0),
+            "max_shared_bytes": max((r.get("shared_bytes", 0) for r in rows), default=0),
+            "spill_bytes": sum(r.get("spill_bytes", 0) for r in rows),
+            "failures": [r for r in rows if r["problems"]]}
+
+
+def print_row(row: Dict) -> None:
+    status = "FAIL " + "; ".join(row["problems"]) if row["problems"] else "ok"
+    figures = ""
+    if "registers" in row:
+        figures = (f"{row['registers']:3d} regs  {row['shared_bytes']:6d} B shared  "
+                   f"{row['num_warps']} warps  {row['compile_s']:5.2f} s")
+    print(f"sm_{row['arch']} {row['shape']:<16} {row['dtype']:<4} {row['step']:<15} "
+          f"{row['kernel']:<22} {figures}  {status}", flush=True)
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="90",
+                   help=f"comma-separated compute capabilities, of {sorted(MAX_SHARED_BYTES)}")
+    p.add_argument("--dtypes", default="bf16,fp16,fp32", help=f"of {', '.join(DTYPES)}")
+    p.add_argument("--quick", action="store_true",
+                   help=f"only {' and '.join(QUICK_SHAPES)}, in bf16 and fp32")
+    p.add_argument("--prefill-block-m", type=int, default=None,
+                   help="query rows per prefill program instead of the engine's choice (a power "
+                        "of two, 16 or more): to see what another tile size costs")
+    args = p.parse_args(argv)
+    block_m = args.prefill_block_m
+    if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
+        p.error(f"--prefill-block-m: expected a power of two of at least 16, got {block_m}")
+    try:
+        args.arches = [int(a) for a in args.arch.split(",")]
+    except ValueError:
+        p.error(f"--arch: expected comma-separated integers such as 80,90, got {args.arch!r}")
+    unknown = [a for a in args.arches if a not in MAX_SHARED_BYTES]
+    if unknown:
+        p.error(f"--arch: no shared-memory limit known for {unknown}; "
+                f"expected some of {sorted(MAX_SHARED_BYTES)}")
+    args.dtype_names = args.dtypes.split(",")
+    bad = [d for d in args.dtype_names if d not in DTYPES]
+    if bad:
+        p.error(f"--dtypes: unknown {bad}; expected some of {', '.join(DTYPES)}")
+    if args.quick:
+        args.dtype_names = [d for d in args.dtype_names if d != "fp16"] or args.dtype_names
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    shapes = [s for s in SHAPES if not args.quick or s.name in QUICK_SHAPES]
+    # A cache of this run's own: every kernel is compiled (a cached one would bring no ptxas
+    # log), and nothing is left in the user's Triton cache.
+    with tempfile.TemporaryDirectory(prefix="tpserve-triton-") as cache:
+        triton.knobs.cache.dir = cache
+        triton.knobs.nvidia.dump_ptxas_log = True
+        result = run(args.arches, shapes, args.dtype_names, args.prefill_block_m)
+    print(f"{result['num_compiled']} kernels compiled for sm_{', sm_'.join(map(str, args.arches))} "
+          f"with Triton {result['triton']}: {result['num_failed']} failed; at most "
+          f"{result['max_registers']} registers and {result['max_shared_bytes']} bytes of shared "
+          f"memory a block, {result['spill_bytes']} bytes spilled")
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
