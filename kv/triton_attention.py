@@ -34,7 +34,7 @@ DECODE_BLOCK_N = 32  # keys per decode tile
 PREFILL_BLOCK_N = 32  # keys per prefill tile
 # Query rows per prefill program. fp32 (the exact-parity runs) takes 16: its tl.dot runs on CUDA
 # cores with tiles in registers, and 32 or 64 rows spilled on sm_90 (`ptxas -v` through
-# scripts/check_triton_kernels.py: 64 rows spilled 1.2 KB at head dim 64 and 39.5 KB at 128;
+# scripts/check_gpu_kernels.py: 64 rows spilled 1.2 KB at head dim 64 and 39.5 KB at 128;
 # 32 rows 1.7 KB at 128; 16 rows none, 72 and 114 registers). 16-bit inputs take 64 (95 and
 # 168 registers, no spills).
 PREFILL_BLOCK_M = 64
@@ -223,7 +223,7 @@ def _check_layout(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 class KernelLaunch(NamedTuple):
     """One kernel launch, as built for a step: ``kernel[grid](*args, **constexprs)``. Built apart
-    from the launch so that `scripts/check_triton_kernels.py` compiles exactly what a step runs
+    from the launch so that `scripts/check_gpu_kernels.py` compiles exactly what a step runs
     for a GPU on a machine without one (``kernel.warmup``)."""
 
     kernel: Any

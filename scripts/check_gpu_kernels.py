@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Compile tpserve's Triton attention kernels for NVIDIA GPUs on a machine without one: every
-launch a step makes, for real model shapes and dtypes, through Triton's own CUDA compiler and the
-``ptxas`` it ships, as the first step on a GPU would compile them.
+"""Compile tpserve's GPU kernels for NVIDIA GPUs on a machine without one: every launch of the
+Triton attention kernels a step makes, for real model shapes and dtypes, through Triton's own CUDA
+compiler and the ``ptxas`` it ships, as the first step on a GPU would compile them; and the CUDA C
+kernels CuPy compiles at run time (the KV tiers' device checksum), through NVRTC
+(``scripts/nvrtc_check.py``).
 
-    python scripts/check_triton_kernels.py                 # sm_90 (H100/H200), every shape
-    python scripts/check_triton_kernels.py --arch 80,90    # A100 and H100/H200
-    python scripts/check_triton_kernels.py --quick         # two shapes (the test suite's run)
+    python scripts/check_gpu_kernels.py                 # sm_90 (H100/H200), every shape
+    python scripts/check_gpu_kernels.py --arch 80,90    # A100 and H100/H200
+    python scripts/check_gpu_kernels.py --quick         # two shapes (the test suite's run)
 
 Why: the suite runs the kernels in Triton's interpreter (``TRITON_INTERPRET=1``), which executes
 them as NumPy and so accepts kernels the compiler rejects (shapes ``tl.dot`` cannot tile, types
@@ -17,8 +19,9 @@ cubin, without launching. A check fails when a kernel does not compile, needs mo
 than the architecture allows a block, or spills registers (``ptxas -v``).
 
 No GPU, no CUDA driver: Triton's active driver is replaced, for this process only, by one that
-answers the target (`CompileOnlyDriver`). Prints a line per kernel and, last, one JSON object;
-exits 1 if a check failed.
+answers the target (`CompileOnlyDriver`); NVRTC needs none. Without NVRTC (the
+``nvidia-cuda-nvrtc-cu12`` wheel, or a CUDA toolkit) the CUDA C part is skipped, with a line that
+says so. Prints a line per kernel and, last, one JSON object; exits 1 if a check failed.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ import contextlib
 import io
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -47,6 +49,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.driver import DriverBase  # noqa: E402
 
 from kv import triton_attention  # noqa: E402
+from nvrtc_check import (  # noqa: E402
+    CUDA_KERNELS, Nvrtc, compile_cuda_kernel, find_nvrtc, ptxas_figures)
 from kv.attention_metadata import SeqSlice  # noqa: E402
 from kv.block_table_metadata import build_block_table_metadata  # noqa: E402
 
@@ -147,16 +151,6 @@ def step_launches(shape: Shape, dtype: torch.dtype,
     return launches
 
 
-def ptxas_usage(log: str) -> Dict[str, int]:
-    """Registers and spill bytes from ``ptxas -v``'s log."""
-    registers = re.search(r"Used (\d+) registers", log)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    if registers is None or spills is None:
-        raise RuntimeError(f"no ptxas -v figures in Triton's ptxas log: {log[-2000:]!r}")
-    return {"registers": int(registers.group(1)),
-            "spill_bytes": int(spills.group(1)) + int(spills.group(2))}
-
-
 def compile_launch(launch: triton_attention.KernelLaunch, arch: int) -> Dict:
     """Compile one launch for ``arch``; its figures and what is wrong with it (``problems``).
     Triton runs ``ptxas -v`` itself and prints its log (``dump_ptxas_log``), read here: the
@@ -166,9 +160,14 @@ def compile_launch(launch: triton_attention.KernelLaunch, arch: int) -> Dict:
     with contextlib.redirect_stdout(log):
         kernel = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.constexprs)
     compile_s = time.perf_counter() - started
-    # Two launches may specialize to one kernel: compiled (and logged) once in this process.
-    usage = _USAGE.get(kernel.hash) or _USAGE.setdefault(kernel.hash, ptxas_usage(log.getvalue()))
-    shared = kernel.metadata.shared
+    usage = _USAGE.get(kernel.hash)
+    if usage is None:  # two launches may specialize to one kernel: compiled (and logged) once
+        usage = ptxas_figures(log.getvalue())
+        if usage is None:
+            raise RuntimeError(f"no ptxas -v figures in Triton's ptxas log: "
+                               f"{log.getvalue()[-2000:]!r}")
+        _USAGE[kernel.hash] = usage
+    shared = kernel.metadata.shared  # Triton's figure: what a launch asks the device for
     problems = []
     if not kernel.asm.get("cubin"):
         problems.append("no cubin")
@@ -177,7 +176,8 @@ def compile_launch(launch: triton_attention.KernelLaunch, arch: int) -> Dict:
     if usage["spill_bytes"]:
         problems.append(f"spills {usage['spill_bytes']} bytes of registers")
     return {"kernel": kernel.name, "num_warps": kernel.metadata.num_warps,
-            "shared_bytes": shared, **usage, "compile_s": round(compile_s, 2),
+            "shared_bytes": shared, "registers": usage["registers"],
+            "spill_bytes": usage["spill_bytes"], "compile_s": round(compile_s, 2),
             "problems": problems}
 
 
@@ -210,8 +210,21 @@ def run(arches: Sequence[int], shapes: Sequence[Shape], dtypes: Sequence[str],
                         failures += bool(row["problems"])
                         rows.append(row)
                         print_row(row)
+    nvrtc_path = find_nvrtc()
+    nvrtc = Nvrtc(nvrtc_path) if nvrtc_path else None
+    if nvrtc is None:
+        print("CUDA C kernels: skipped, no NVRTC here (pip install nvidia-cuda-nvrtc-cu12)")
+    for arch in arches if nvrtc is not None else ():
+        for name, source in CUDA_KERNELS:
+            row = {"arch": arch, "shape": "-", "dtype": "-", "step": "KV block checksum",
+                   **compile_cuda_kernel(nvrtc, name, source, arch, MAX_SHARED_BYTES[arch])}
+            failures += bool(row["problems"])
+            rows.append(row)
+            print_row(row)
     return {"ok": failures == 0, "num_compiled": len(rows), "num_failed": failures,
             "arches": list(arches), "triton": triton.__version__,
+            "nvrtc": nvrtc.version() if nvrtc else None,
+            "num_cuda_c_compiled": sum(r["kernel"] in dict(CUDA_KERNELS) for r in rows),
             "max_registers": max((r.get("registers", 0) for r in rows), default=0),
             "max_shared_bytes": max((r.get("shared_bytes", 0) for r in rows), default=0),
             "spill_bytes": sum(r.get("spill_bytes", 0) for r in rows),
@@ -223,7 +236,7 @@ def print_row(row: Dict) -> None:
     figures = ""
     if "registers" in row:
         figures = (f"{row['registers']:3d} regs  {row['shared_bytes']:6d} B shared  "
-                   f"{row['num_warps']} warps  {row['compile_s']:5.2f} s")
+                   f"{row['num_warps']:>1} warps  {row['compile_s']:5.2f} s")
     print(f"sm_{row['arch']} {row['shape']:<16} {row['dtype']:<4} {row['step']:<15} "
           f"{row['kernel']:<22} {figures}  {status}", flush=True)
 
@@ -268,8 +281,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         triton.knobs.cache.dir = cache
         triton.knobs.nvidia.dump_ptxas_log = True
         result = run(args.arches, shapes, args.dtype_names, args.prefill_block_m)
+    nvrtc = f" and NVRTC {result['nvrtc']}" if result["nvrtc"] else ""
     print(f"{result['num_compiled']} kernels compiled for sm_{', sm_'.join(map(str, args.arches))} "
-          f"with Triton {result['triton']}: {result['num_failed']} failed; at most "
+          f"with Triton {result['triton']}{nvrtc}: {result['num_failed']} failed; at most "
           f"{result['max_registers']} registers and {result['max_shared_bytes']} bytes of shared "
           f"memory a block, {result['spill_bytes']} bytes spilled")
     print(json.dumps(result))
