@@ -50,7 +50,7 @@ from triton.backends.driver import DriverBase  # noqa: E402
 
 from kv import triton_attention  # noqa: E402
 from nvrtc_check import (  # noqa: E402
-    CUDA_KERNELS, Nvrtc, compile_cuda_kernel, find_nvrtc, ptxas_figures)
+    CUDA_KERNELS, Nvrtc, compile_cuda_kernel, find_nvrtc, kernel_problems, ptxas_figures)
 from kv.attention_metadata import SeqSlice  # noqa: E402
 from kv.block_table_metadata import build_block_table_metadata  # noqa: E402
 
@@ -168,17 +168,11 @@ def compile_launch(launch: triton_attention.KernelLaunch, arch: int) -> Dict:
                                f"{log.getvalue()[-2000:]!r}")
         _USAGE[kernel.hash] = usage
     shared = kernel.metadata.shared  # Triton's figure: what a launch asks the device for
-    problems = []
-    if not kernel.asm.get("cubin"):
-        problems.append("no cubin")
-    if shared > MAX_SHARED_BYTES[arch]:
-        problems.append(f"{shared} bytes of shared memory > sm_{arch}'s {MAX_SHARED_BYTES[arch]}")
-    if usage["spill_bytes"]:
-        problems.append(f"spills {usage['spill_bytes']} bytes of registers")
     return {"kernel": kernel.name, "num_warps": kernel.metadata.num_warps,
             "shared_bytes": shared, "registers": usage["registers"],
             "spill_bytes": usage["spill_bytes"], "compile_s": round(compile_s, 2),
-            "problems": problems}
+            "problems": kernel_problems(bool(kernel.asm.get("cubin")), shared,
+                                        usage["spill_bytes"], MAX_SHARED_BYTES[arch])}
 
 
 def with_block_m(launch: triton_attention.KernelLaunch,

@@ -14,7 +14,7 @@ import ctypes.util
 import re
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from kv import cupy_checksum
 
@@ -32,6 +32,18 @@ def ptxas_figures(log: str) -> Optional[Dict[str, int]]:
     return {"registers": int(registers.group(1)),
             "spill_bytes": int(spills.group(1)) + int(spills.group(2)),
             "shared_bytes": int(shared.group(1)) if shared else 0}
+
+
+def kernel_problems(has_cubin: bool, shared_bytes: int, spill_bytes: int,
+                    max_shared_bytes: int) -> List[str]:
+    """What is wrong with a compiled kernel (nothing: an empty list)."""
+    problems = [] if has_cubin else ["no cubin"]
+    if shared_bytes > max_shared_bytes:
+        problems.append(f"{shared_bytes} bytes of shared memory > the {max_shared_bytes} a "
+                        f"block may use")
+    if spill_bytes:
+        problems.append(f"spills {spill_bytes} bytes of registers")
+    return problems
 
 
 def find_nvrtc() -> Optional[str]:
@@ -97,13 +109,7 @@ def compile_cuda_kernel(nvrtc: Nvrtc, name: str, source: str, arch: int,
     figures = ptxas_figures(log)
     if figures is None:
         return {"kernel": name, "problems": [f"no ptxas -v figures in NVRTC's log: {log[-500:]}"]}
-    row = {"kernel": name, "num_warps": "-", **figures, "compile_s": round(compile_s, 2),
-           "cubin_bytes": cubin_bytes, "problems": []}
-    if not cubin_bytes:
-        row["problems"].append("no cubin")
-    if row["spill_bytes"]:
-        row["problems"].append(f"spills {row['spill_bytes']} bytes of registers")
-    if row["shared_bytes"] > max_shared_bytes:
-        row["problems"].append(f"{row['shared_bytes']} bytes of shared memory > "
-                               f"{max_shared_bytes}")
-    return row
+    return {"kernel": name, "num_warps": "-", **figures, "compile_s": round(compile_s, 2),
+            "cubin_bytes": cubin_bytes,
+            "problems": kernel_problems(bool(cubin_bytes), figures["shared_bytes"],
+                                        figures["spill_bytes"], max_shared_bytes)}
