@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from kv.attention_metadata import AttentionMetadata, SeqSlice, build_layer_metadata
 from kv.block_table_metadata import BlockTableMetadata, build_block_table_metadata
 from kv.kv_cache import write_kv
-from kv.paged_attention import paged_attention
+from kv.paged_attention import SDPA_HAS_GQA, paged_attention
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,6 @@ class TorchAttentionBackend(AttentionBackend):
         return paged_attention(query, k_cache, v_cache, metadata, scale)
 
 
-# enable_gqa arrived in torch 2.5; older builds run every prefill through the Triton kernel.
-_SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -131,7 +129,8 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 def sdpa_for_fresh_prefills(device_type: str, dtype: torch.dtype) -> bool:
     """Whether the Triton backend's default sends prefills with nothing cached to SDPA."""
-    return device_type == "cuda" and _SDPA_HAS_GQA and dtype in _FLASH_DTYPES
+    # Without enable_gqa (torch < 2.5) every prefill runs through the Triton kernel.
+    return device_type == "cuda" and SDPA_HAS_GQA and dtype in _FLASH_DTYPES
 
 
 def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

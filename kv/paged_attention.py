@@ -13,7 +13,9 @@ Prefills: one call per sequence over its exact context (no padding), causal with
 nothing is cached before it. Cost per layer: ``H * query_len * K`` scores, ``K`` the keys its
 queries may see (the context, or the window plus the chunk). On CPU a long chunk after a cached
 prefix (no window) is two flash calls instead of one masked one, the prefix unmasked and the
-chunk causal, merged by log-sum-exp: ``H * q * (prefix + q / 2)`` scores.
+chunk causal, merged by log-sum-exp: ``H * q * (prefix + q / 2)`` scores. Grouped-query
+prefills read each K/V head where it lies for its group of query heads (SDPA's ``enable_gqa``,
+torch 2.5 on); only older builds repeat K/V per query head.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 # inputs, so below that its causal call skips nothing. Measured (9 heads of 64, fp32): 0.81-0.88
 # of the masked call's time at 640-1,024 new tokens, 0.95-1.17 at 128-512.
 SPLIT_MIN_QUERY = 512
+# SDPA's enable_gqa (torch 2.5 on): query heads read their group's K/V head in place. Older builds
+# repeat K/V for grouped-query prefills.
+SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
 def paged_attention(
@@ -77,7 +82,10 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q = query[prefill.start:prefill.end].transpose(0, 1)  # [H, q, D]
     k = gather_rows(k_cache, prefill.kv_slots).transpose(0, 1)  # [Hkv, K, D]
     v = gather_rows(v_cache, prefill.kv_slots).transpose(0, 1)
-    if group > 1:
+    gqa = {}
+    if group > 1 and SDPA_HAS_GQA:
+        gqa = {"enable_gqa": True}  # [Hkv, K, D] read in place by each group of query heads
+    elif group > 1:
         k = k.repeat_interleave(group, dim=0)  # [H, K, D]
         v = v.repeat_interleave(group, dim=0)
     if (prefill.num_prefix_keys and prefill.end - prefill.start > SPLIT_MIN_QUERY
@@ -86,16 +94,17 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     else:
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=prefill.mask,
-            is_causal=prefill.mask is None, scale=scale)[0]  # [H, q, D]
+            is_causal=prefill.mask is None, scale=scale, **gqa)[0]  # [H, q, D]
     return out.transpose(0, 1).reshape(-1, num_heads * head_dim)
 
 
 def _attend_prefix_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                num_prefix: int, scale: float) -> torch.Tensor:
     """``[H, q, D]`` attention of a chunk over ``num_prefix`` cached keys that every query sees,
-    then causally over its own keys (the last ``q`` of ``k``/``v``, ``[H, K, D]``): two flash
-    calls merged by their log-sum-exps. The masked call it replaces scores all ``q * K`` pairs;
-    this scores ``q * num_prefix + q * q / 2`` (a chunk half cached: 25% fewer)."""
+    then causally over its own keys (the last ``q`` of ``k``/``v``, ``[H or Hkv, K, D]``: torch's
+    CPU flash kernel maps query heads to K/V heads by group itself): two flash calls merged by
+    their log-sum-exps. The masked call it replaces scores all ``q * K`` pairs; this scores
+    ``q * num_prefix + q * q / 2`` (a chunk half cached: 25% fewer)."""
     batch_q = q.unsqueeze(0)
     out_prefix, lse_prefix = _CPU_FLASH(  # [1, H, q, D], [1, H, q]
         batch_q, k[None, :, :num_prefix], v[None, :, :num_prefix], 0.0, False, scale=scale)

@@ -8,7 +8,7 @@ import torch
 from attention_reference import dense_reference
 from kv.attention_metadata import SeqSlice, build_attention_metadata
 from kv.kv_cache import write_kv
-from kv.paged_attention import SPLIT_MIN_QUERY, paged_attention
+from kv.paged_attention import SDPA_HAS_GQA, SPLIT_MIN_QUERY, paged_attention
 
 
 MIXED = [(9, 1), (0, 11), (6, 7), (14, 1), (0, 1)]
@@ -18,10 +18,9 @@ MANY_DECODES = [((i * 7) % 23, 1) for i in range(37)] + [(3, 5)]
 LONG_PREFIXES = [(40, 24), (3, 30), (17, 2), (40, SPLIT_MIN_QUERY + 88)]
 
 
-@pytest.mark.parametrize("heads,kv_heads,window,shapes", [
-    (4, 4, None, MIXED), (4, 2, None, MIXED), (6, 1, 5, MIXED), (4, 2, None, MANY_DECODES),
-    (4, 2, None, LONG_PREFIXES), (4, 4, 50, LONG_PREFIXES)])
-def test_paged_matches_dense(heads, kv_heads, window, shapes, decode_path):
+def paged_case(heads, kv_heads, window, shapes):
+    """Scattered cache blocks holding each sequence's prefix, the step's metadata and queries,
+    and the dense reference: ``(run, expected, meta)``, ``run()`` attending the paged way."""
     torch.manual_seed(0)
     rng = random.Random(0)
     block_size, head_dim, num_blocks = 4, 8, 256
@@ -48,13 +47,36 @@ def test_paged_matches_dense(heads, kv_heads, window, shapes, decode_path):
     new_k = torch.cat([k[s.num_computed:] for k, s in zip(full_k, seqs)])
     new_v = torch.cat([v[s.num_computed:] for v, s in zip(full_v, seqs)])
     write_kv(k_cache, v_cache, new_k, new_v, meta.slot_mapping)
-    out = paged_attention(torch.cat(queries), k_cache, v_cache, meta, head_dim ** -0.5)
     expected = torch.cat([dense_reference(q, k, v, s.num_computed, window)
                           for q, k, v, s in zip(queries, full_k, full_v, seqs)])
+    query = torch.cat(queries)
+    return (lambda: paged_attention(query, k_cache, v_cache, meta, head_dim ** -0.5)), expected, meta
+
+
+@pytest.mark.parametrize("heads,kv_heads,window,shapes", [
+    (4, 4, None, MIXED), (4, 2, None, MIXED), (6, 1, 5, MIXED), (4, 2, None, MANY_DECODES),
+    (4, 2, None, LONG_PREFIXES), (4, 4, 50, LONG_PREFIXES)])
+def test_paged_matches_dense(heads, kv_heads, window, shapes, decode_path):
+    run, expected, meta = paged_case(heads, kv_heads, window, shapes)
+    out = run()
     assert out.shape == expected.shape
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     firsts = [sum(q_len for _, q_len in shapes[:i]) for i in range(len(shapes))]
     assert [meta.positions.tolist()[i] for i in firsts] == [c for c, _ in shapes]
+
+
+@pytest.mark.skipif(not SDPA_HAS_GQA, reason="enable_gqa needs torch 2.5")
+@pytest.mark.parametrize("window,shapes", [(None, MIXED), (None, LONG_PREFIXES), (5, MIXED)])
+def test_grouped_query_prefills_never_repeat_keys_and_values(window, shapes, monkeypatch):
+    """Each query head reads its group's K/V head where it lies: no [H, K, D] copies of K and V
+    (plain causal, split cached prefix and masked window prefills alike)."""
+    run, expected, _ = paged_case(8, 2, window, shapes)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("K/V repeated for grouped-query attention")
+
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", refuse)
+    torch.testing.assert_close(run(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_cached_prefix_is_split_off_only_where_no_window_cuts_it():
