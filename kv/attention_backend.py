@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from kv.attention_metadata import AttentionMetadata, SeqSlice, build_layer_metadata
 from kv.block_table_metadata import BlockTableMetadata, build_block_table_metadata
 from kv.kv_cache import write_kv
-from kv.paged_attention import SDPA_HAS_GQA, paged_attention
+from kv.paged_attention import CUDA_FLASH_DTYPES, SDPA_HAS_GQA, paged_attention
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,6 @@ class TorchAttentionBackend(AttentionBackend):
         return paged_attention(query, k_cache, v_cache, metadata, scale)
 
 
-
-
 class TritonAttentionBackend(AttentionBackend):
     """Triton kernels over the block table. ``sdpa_fresh_prefills`` (default: on CUDA in fp16 or
     bf16, ``sdpa_for_fresh_prefills``) runs the prefills with nothing cached through
@@ -121,16 +119,12 @@ class TritonAttentionBackend(AttentionBackend):
         return self._sdpa_fresh_prefills
 
 
-# FlashAttention (and cuDNN's) take half precision only: an fp32 call with GQA falls to SDPA's
-# math backend, which builds the whole [H, L, L] score matrix (8.6 GB for 32 heads of a chunk of
-# 8,192 tokens); the paged prefill kernel attends fp32 by tiles.
-_FLASH_DTYPES = (torch.float16, torch.bfloat16)
-
-
 def sdpa_for_fresh_prefills(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether the Triton backend's default sends prefills with nothing cached to SDPA."""
-    # Without enable_gqa (torch < 2.5) every prefill runs through the Triton kernel.
-    return device_type == "cuda" and SDPA_HAS_GQA and dtype in _FLASH_DTYPES
+    """Whether the Triton backend's default sends prefills with nothing cached to SDPA: where
+    FlashAttention takes GQA (``CUDA_FLASH_DTYPES``, torch 2.5 on). An fp32 call with GQA would
+    fall to SDPA's math backend and its whole [H, L, L] score matrix; the paged prefill kernel
+    attends fp32 by tiles."""
+    return device_type == "cuda" and SDPA_HAS_GQA and dtype in CUDA_FLASH_DTYPES
 
 
 def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -14,8 +14,9 @@ nothing is cached before it. Cost per layer: ``H * query_len * K`` scores, ``K``
 queries may see (the context, or the window plus the chunk). On CPU a long chunk after a cached
 prefix (no window) is two flash calls instead of one masked one, the prefix unmasked and the
 chunk causal, merged by log-sum-exp: ``H * q * (prefix + q / 2)`` scores. Grouped-query
-prefills read each K/V head where it lies for its group of query heads (SDPA's ``enable_gqa``,
-torch 2.5 on); only older builds repeat K/V per query head.
+prefills read each K/V head where it lies for its group of query heads where the fused kernel
+takes that (``gqa_in_place``: on CPU from torch 2.9, on CUDA FlashAttention's 16-bit unmasked
+calls); elsewhere K/V are repeated per query head.
 """
 
 from __future__ import annotations
@@ -33,9 +34,15 @@ _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 # inputs, so below that its causal call skips nothing. Measured (9 heads of 64, fp32): 0.81-0.88
 # of the masked call's time at 640-1,024 new tokens, 0.95-1.17 at 128-512.
 SPLIT_MIN_QUERY = 512
-# SDPA's enable_gqa (torch 2.5 on): query heads read their group's K/V head in place. Older builds
-# repeat K/V for grouped-query prefills.
-SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+_TORCH_VERSION = torch.torch_version.TorchVersion(torch.__version__)
+# SDPA's enable_gqa (torch 2.5 on): query heads read their group's K/V head in place. Only some
+# fused kernels take it: elsewhere SDPA falls back to its math backend, which builds the whole
+# [H, q, K] score matrix (8.6 GB for 32 heads of an 8,192-token prompt). FlashAttention on CUDA
+# (and cuDNN's) takes it (16-bit only, unmasked), torch's CPU flash kernel from torch 2.9 on
+# (masked too).
+SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
+CPU_FLASH_HAS_GQA = _TORCH_VERSION >= (2, 9)
+CUDA_FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def paged_attention(
@@ -83,7 +90,7 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     k = gather_rows(k_cache, prefill.kv_slots).transpose(0, 1)  # [Hkv, K, D]
     v = gather_rows(v_cache, prefill.kv_slots).transpose(0, 1)
     gqa = {}
-    if group > 1 and SDPA_HAS_GQA:
+    if group > 1 and gqa_in_place(query.device.type, query.dtype, prefill.mask is not None):
         gqa = {"enable_gqa": True}  # [Hkv, K, D] read in place by each group of query heads
     elif group > 1:
         k = k.repeat_interleave(group, dim=0)  # [H, K, D]
@@ -96,6 +103,14 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=prefill.mask,
             is_causal=prefill.mask is None, scale=scale, **gqa)[0]  # [H, q, D]
     return out.transpose(0, 1).reshape(-1, num_heads * head_dim)
+
+
+def gqa_in_place(device_type: str, dtype: torch.dtype, masked: bool) -> bool:
+    """Whether a grouped-query prefill (masked or not) runs on a fused kernel that reads each K/V
+    head in place for its group (else K/V are repeated per query head)."""
+    if device_type == "cuda":
+        return SDPA_HAS_GQA and not masked and dtype in CUDA_FLASH_DTYPES
+    return CPU_FLASH_HAS_GQA
 
 
 def _attend_prefix_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -8,7 +8,8 @@ import torch
 from attention_reference import dense_reference
 from kv.attention_metadata import SeqSlice, build_attention_metadata
 from kv.kv_cache import write_kv
-from kv.paged_attention import SDPA_HAS_GQA, SPLIT_MIN_QUERY, paged_attention
+from kv.paged_attention import (CPU_FLASH_HAS_GQA, SDPA_HAS_GQA, SPLIT_MIN_QUERY, gqa_in_place,
+                                paged_attention)
 
 
 MIXED = [(9, 1), (0, 11), (6, 7), (14, 1), (0, 1)]
@@ -50,7 +51,11 @@ def paged_case(heads, kv_heads, window, shapes):
     expected = torch.cat([dense_reference(q, k, v, s.num_computed, window)
                           for q, k, v, s in zip(queries, full_k, full_v, seqs)])
     query = torch.cat(queries)
-    return (lambda: paged_attention(query, k_cache, v_cache, meta, head_dim ** -0.5)), expected, meta
+
+    def run():
+        return paged_attention(query, k_cache, v_cache, meta, head_dim ** -0.5)
+
+    return run, expected, meta
 
 
 @pytest.mark.parametrize("heads,kv_heads,window,shapes", [
@@ -65,7 +70,7 @@ def test_paged_matches_dense(heads, kv_heads, window, shapes, decode_path):
     assert [meta.positions.tolist()[i] for i in firsts] == [c for c, _ in shapes]
 
 
-@pytest.mark.skipif(not SDPA_HAS_GQA, reason="enable_gqa needs torch 2.5")
+@pytest.mark.skipif(not CPU_FLASH_HAS_GQA, reason="CPU flash attention takes GQA from torch 2.9")
 @pytest.mark.parametrize("window,shapes", [(None, MIXED), (None, LONG_PREFIXES), (5, MIXED)])
 def test_grouped_query_prefills_never_repeat_keys_and_values(window, shapes, monkeypatch):
     """Each query head reads its group's K/V head where it lies: no [H, K, D] copies of K and V
@@ -77,6 +82,17 @@ def test_grouped_query_prefills_never_repeat_keys_and_values(window, shapes, mon
 
     monkeypatch.setattr(torch.Tensor, "repeat_interleave", refuse)
     torch.testing.assert_close(run(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_heads_are_read_in_place_only_where_a_fused_kernel_takes_grouped_queries():
+    # FlashAttention on CUDA: 16-bit, no mask; else SDPA's math backend would build [H, q, K]
+    assert gqa_in_place("cuda", torch.bfloat16, masked=False) == SDPA_HAS_GQA
+    assert gqa_in_place("cuda", torch.float16, masked=False) == SDPA_HAS_GQA
+    assert not gqa_in_place("cuda", torch.float32, masked=False)
+    assert not gqa_in_place("cuda", torch.bfloat16, masked=True)
+    # torch's CPU flash kernel, masked or not, from torch 2.9 on
+    assert gqa_in_place("cpu", torch.float32, masked=True) == CPU_FLASH_HAS_GQA
+    assert gqa_in_place("cpu", torch.float32, masked=False) == CPU_FLASH_HAS_GQA
 
 
 def test_a_cached_prefix_is_split_off_only_where_no_window_cuts_it():
