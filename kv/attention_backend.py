@@ -26,9 +26,11 @@ from typing import List, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from kv.attention_metadata import AttentionMetadata, SeqSlice, build_layer_metadata
+from kv.attention_metadata import (DECODE_BUCKET_SIZE, AttentionMetadata, SeqSlice,
+                                   build_layer_metadata)
 from kv.block_table_metadata import BlockTableMetadata, build_block_table_metadata
-from kv.kv_cache import write_kv
+from kv.cpu_decode import decode_kernel
+from kv.kv_cache import KVCache, write_kv
 from kv.paged_attention import CUDA_FLASH_DTYPES, SDPA_HAS_GQA, paged_attention
 
 logger = logging.getLogger(__name__)
@@ -58,15 +60,36 @@ class AttentionBackend(ABC):
         """Store ``key``/``value`` ``[T, Hkv, D]`` at their slots of ``k_cache``/``v_cache``
         ``[num_slots, Hkv, D]``, then attend ``query`` ``[T, H, D]``; returns ``[T, H * D]``."""
 
+    def prepare(self, kv_cache: KVCache, num_heads: int) -> None:
+        """Called once a rank's cache exists (``num_heads``: the model's query heads), before its
+        first step: a backend loads what its steps need here."""
+
 
 class TorchAttentionBackend(AttentionBackend):
-    """The PyTorch reference: runs wherever torch does."""
+    """The PyTorch reference: runs wherever torch does. On CPU, decodes run on the C kernel
+    (``kv/cpu_decode.py``) where it takes the cache: then all of a step's decodes form one
+    bucket, attended in one kernel call per layer (the kernel skips masked keys unread, so a
+    bucket's padding costs it nothing; measured on SmolLM2-135M's decode-heavy workload,
+    README)."""
 
     name = "torch"
 
+    def __init__(self) -> None:
+        self.decode_bucket_size: Optional[int] = DECODE_BUCKET_SIZE
+
+    def prepare(self, kv_cache: KVCache, num_heads: int) -> None:
+        if kv_cache.data.device.type != "cpu":
+            return
+        kernel = decode_kernel()  # compiled or loaded now, not in the rank's first decode
+        k_cache, v_cache = kv_cache.layer(0)
+        query = k_cache.new_empty(1, num_heads, k_cache.shape[-1])
+        if kernel is not None and kernel.accepts(query, k_cache, v_cache):
+            self.decode_bucket_size = None
+
     def build_metadata(self, seqs: Sequence[SeqSlice], block_size: int, device: torch.device,
                        layer_windows: Sequence[Optional[int]]) -> List[StepMetadata]:
-        return list(build_layer_metadata(seqs, block_size, device, layer_windows))
+        return list(build_layer_metadata(seqs, block_size, device, layer_windows,
+                                         self.decode_bucket_size))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: StepMetadata,

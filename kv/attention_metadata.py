@@ -9,7 +9,8 @@ consecutive tokens after ``num_computed`` tokens already in the cache::
 
 Decodes (``query_len == 1``) form buckets of similar context lengths: padded gather indices of
 their queries and cached keys and a boolean mask, so each bucket attends in one batched call per
-layer. Prefills attend one sequence at a time (``PrefillSlice``): padding prompts of different
+layer (a backend whose decodes skip masked keys without reading them, the CPU decode kernel,
+asks for one bucket: a call per layer, not one per 16 decodes). Prefills attend one sequence at a time (``PrefillSlice``): padding prompts of different
 lengths to the longest would cost more than the extra calls, and a prefill without a cached prefix
 needs no mask at all.
 
@@ -119,9 +120,11 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     sliding_window: Optional[int] = None,
+    decode_bucket_size: Optional[int] = DECODE_BUCKET_SIZE,
 ) -> AttentionMetadata:
     """Indices for a step whose flat batch holds ``seqs``' new tokens in order."""
-    return build_layer_metadata(seqs, block_size, device, [sliding_window])[0]
+    return build_layer_metadata(seqs, block_size, device, [sliding_window],
+                                decode_bucket_size)[0]
 
 
 def build_layer_metadata(
@@ -129,19 +132,24 @@ def build_layer_metadata(
     block_size: int,
     device: torch.device,
     layer_windows: Sequence[Optional[int]],
+    decode_bucket_size: Optional[int] = DECODE_BUCKET_SIZE,
 ) -> List[AttentionMetadata]:
-    """Indices for each layer, given each layer's window (None: full attention).
+    """Indices for each layer, given each layer's window (None: full attention), with at most
+    ``decode_bucket_size`` decodes a bucket (None: all of them in one).
 
     Layers with the same window share one object: a model whose layers all have the same window
     builds its indices once, one mixing full and windowed layers twice. Cost per window: O(T)
     plus the gather indices, O(sum over decodes of the keys they see)."""
+    if decode_bucket_size is not None and decode_bucket_size < 1:
+        raise ValueError(f"decode_bucket_size must be at least 1 or None, got {decode_bucket_size}")
     starts, positions_t, slots_t = flat_positions_and_slots(seqs, block_size, device)
     num_tokens = len(positions_t)
     # Decodes sorted by context length, in buckets of similar lengths: each bucket pads its
     # gathered K/V only to its own longest context.
     decodes = sorted((i for i, s in enumerate(seqs) if s.query_len == 1),
                      key=lambda i: seqs[i].context_len)
-    groups = [decodes[k:k + DECODE_BUCKET_SIZE] for k in range(0, len(decodes), DECODE_BUCKET_SIZE)]
+    size = decode_bucket_size or max(1, len(decodes))
+    groups = [decodes[k:k + size] for k in range(0, len(decodes), size)]
     by_window = {}
     for window in dict.fromkeys(layer_windows):
         buckets = [_build_bucket([seqs[i] for i in group], [starts[i] for i in group], num_tokens,

@@ -24,7 +24,6 @@ import torch
 
 from kv.attention_metadata import SeqSlice
 from kv.block_table_metadata import DeviceSeq, build_device_step
-from kv.cpu_decode import decode_kernel
 from kv.device_block_tables import DEFAULT_NUM_ROWS, DeviceBlockTables
 from kv.host_staging import tensor_on
 from kv.kv_cache import KVCache
@@ -64,8 +63,7 @@ class ModelRunner:
         elif cuda_graphs and device.type == "cuda":
             logger.info("CUDA graphs need the triton attention backend; the %s backend runs "
                         "eager", model.attention.name)
-        if device.type == "cpu" and model.attention.name == "torch":
-            decode_kernel()  # compiled or loaded while the rank starts, not in its first decode
+        model.attention.prepare(kv_cache, model.config.num_heads)
 
     @torch.inference_mode()
     def capture_graphs(self) -> List[int]:

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from attention_reference import dense_reference
-from kv.attention_metadata import SeqSlice, build_attention_metadata
-from kv.kv_cache import write_kv
+from kv.attention_backend import TorchAttentionBackend
+from kv.attention_metadata import DECODE_BUCKET_SIZE, SeqSlice, build_attention_metadata
+from kv.kv_cache import KVCache, KVCacheSpec, write_kv
 from kv.paged_attention import (CPU_FLASH_HAS_GQA, SDPA_HAS_GQA, SPLIT_MIN_QUERY, gqa_in_place,
                                 paged_attention)
 
@@ -19,7 +20,7 @@ MANY_DECODES = [((i * 7) % 23, 1) for i in range(37)] + [(3, 5)]
 LONG_PREFIXES = [(40, 24), (3, 30), (17, 2), (40, SPLIT_MIN_QUERY + 88)]
 
 
-def paged_case(heads, kv_heads, window, shapes):
+def paged_case(heads, kv_heads, window, shapes, decode_bucket_size=DECODE_BUCKET_SIZE):
     """Scattered cache blocks holding each sequence's prefix, the step's metadata and queries,
     and the dense reference: ``(run, expected, meta)``, ``run()`` attending the paged way."""
     torch.manual_seed(0)
@@ -44,7 +45,8 @@ def paged_case(heads, kv_heads, window, shapes):
         full_k.append(k)
         full_v.append(v)
         queries.append(torch.randn(q_len, heads, head_dim))
-    meta = build_attention_metadata(seqs, block_size, torch.device("cpu"), window)
+    meta = build_attention_metadata(seqs, block_size, torch.device("cpu"), window,
+                                    decode_bucket_size)
     new_k = torch.cat([k[s.num_computed:] for k, s in zip(full_k, seqs)])
     new_v = torch.cat([v[s.num_computed:] for v, s in zip(full_v, seqs)])
     write_kv(k_cache, v_cache, new_k, new_v, meta.slot_mapping)
@@ -68,6 +70,26 @@ def test_paged_matches_dense(heads, kv_heads, window, shapes, decode_path):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     firsts = [sum(q_len for _, q_len in shapes[:i]) for i in range(len(shapes))]
     assert [meta.positions.tolist()[i] for i in firsts] == [c for c, _ in shapes]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_every_decode_in_one_bucket_matches_dense(window, decode_path):
+    """The CPU decode kernel's bucketing: 37 decodes of scattered lengths, one call a layer."""
+    run, expected, meta = paged_case(4, 2, window, MANY_DECODES, decode_bucket_size=None)
+    assert len(meta.buckets) == 1 and meta.buckets[0].kv_slots.shape[0] == 37
+    torch.testing.assert_close(run(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_backend_buckets_decodes_for_the_path_that_runs_them(dtype, decode_path):
+    """One bucket where the C kernel takes the cache (CPU, fp32), buckets of 16 elsewhere: the
+    gather path pads each bucket's K/V to its longest context."""
+    backend = TorchAttentionBackend()
+    backend.prepare(KVCache(KVCacheSpec(1, 16, 4, 2, 8, dtype), torch.device("cpu")), 4)
+    seqs = [SeqSlice(1, n, list(range(-(-(n + 1) // 4)))) for n in range(0, 40, 2)]
+    meta = backend.build_metadata(seqs, 4, torch.device("cpu"), [None])[0]
+    on_kernel = decode_path == "kernel" and dtype == torch.float32
+    assert [b.kv_slots.shape[0] for b in meta.buckets] == ([20] if on_kernel else [16, 4])
 
 
 @pytest.mark.skipif(not CPU_FLASH_HAS_GQA, reason="CPU flash attention takes GQA from torch 2.9")
