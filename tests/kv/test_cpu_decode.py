@@ -87,6 +87,15 @@ def test_a_slot_outside_the_cache_is_an_error_not_a_read(bad_slot):
     decode_kernel().attend(torch.zeros(2, 1, 2, 64), cache, cache, slots, masked, 1.0)
 
 
+@pytest.mark.parametrize("position", [0, 31, 32, 70])  # first tile, its end, later tiles
+def test_a_slot_outside_the_cache_in_any_tile_is_an_error_not_a_read(position):
+    cache = torch.zeros(64, 1, 64)
+    slots = torch.arange(80).remainder(64)[None].repeat(2, 1)
+    slots[1, position] = 64
+    with pytest.raises(IndexError, match="outside the cache's 64 slots"):
+        decode_kernel().attend(torch.zeros(2, 1, 2, 64), cache, cache, slots, None, 1.0)
+
+
 def test_loading_it_leaves_denormals_alone(tmp_path):
     """Linked with -ffast-math, GCC 12 adds code that sets flush-to-zero for the whole process
     when the library loads: every torch op after it would change."""
