@@ -7,10 +7,11 @@
  * process's OpenMP runtime: torch's, which loaded it first), each an online softmax of every
  * query head over tiles of TILE keys, whose cache rows (all KV heads of a slot) are read whole,
  * in order; the parts of a sequence are then merged by their maxima and sums (flash decoding).
- * A masked key is skipped; a row must have at least one key it sees. The rows of the next tile
- * are prefetched while a tile is attended: a sequence's slots jump from block to block, which
- * the hardware prefetchers do not follow (with the caches cold, as between engine steps, 32
- * decodes of ~100 keys took 0.88x the time with it: scripts/bench_cpu_decode.py, README).
+ * A masked key is skipped; a row must have at least one key it sees. The rows of the next two
+ * tiles are prefetched while a tile is attended: a sequence's slots jump from block to block,
+ * which the hardware prefetchers do not follow (with the caches cold, as between engine steps,
+ * 32 decodes of ~100 keys took 0.80x the time without: 0.88x with one tile ahead;
+ * scripts/bench_cpu_decode.py, README).
  *
  * Called through ctypes by kv/cpu_decode.py, which compiles this file with the machine's C
  * compiler on first use: -O3 -march=native -fopenmp -ffast-math, which vectorizes expf through
@@ -144,19 +145,27 @@ static int attend_part(const Inputs *in, int64_t b, int64_t k0, int64_t k1, floa
     l[head] = 0.f;
   }
   memset(acc, 0, sizeof(float) * H * D);
+  /* two tiles in flight: this one and the next, prefetched; the one after asked for now */
   int64_t n = tile_rows(in, slots, valid, k0, k1, rows);
   if (n > 0) prefetch_rows(in, rows, n, row);
+  int64_t next_rows[TILE], next_n = 0;
+  if (k0 + TILE < k1) {
+    next_n = tile_rows(in, slots, valid, k0 + TILE, k1, next_rows);
+    if (next_n > 0) prefetch_rows(in, next_rows, next_n, row);
+  }
   for (int64_t start = k0; start < k1; start += TILE) {
     if (n < 0) return -2;
-    const int64_t next = start + TILE;
-    int64_t next_rows[TILE], next_n = 0;
-    if (next < k1) {
-      next_n = tile_rows(in, slots, valid, next, k1, next_rows);
-      if (next_n > 0) prefetch_rows(in, next_rows, next_n, row);
+    const int64_t after = start + 2 * TILE;
+    int64_t after_rows[TILE], after_n = 0;
+    if (after < k1) {
+      after_n = tile_rows(in, slots, valid, after, k1, after_rows);
+      if (after_n > 0) prefetch_rows(in, after_rows, after_n, row);
     }
     if (n) attend_tile(in, q, rows, n, acc, m, l);
     memcpy(rows, next_rows, sizeof(int64_t) * (next_n > 0 ? next_n : 0));
     n = next_n;
+    memcpy(next_rows, after_rows, sizeof(int64_t) * (after_n > 0 ? after_n : 0));
+    next_n = after_n;
   }
   return 0;
 }
