@@ -10,9 +10,9 @@ consecutive tokens after ``num_computed`` tokens already in the cache::
 Decodes (``query_len == 1``) form buckets of similar context lengths: padded gather indices of
 their queries and cached keys and a boolean mask, so each bucket attends in one batched call per
 layer (a backend whose decodes skip masked keys without reading them, the CPU decode kernel,
-asks for one bucket: a call per layer, not one per 16 decodes). Prefills attend one sequence at a time (``PrefillSlice``): padding prompts of different
-lengths to the longest would cost more than the extra calls, and a prefill without a cached prefix
-needs no mask at all.
+asks for one bucket: a call per layer, not one per 16 decodes). Prefills attend one sequence at
+a time (``PrefillSlice``): padding prompts of different lengths to the longest would cost more
+than the extra calls, and a prefill without a cached prefix needs no mask at all.
 
 With a sliding window of ``W`` tokens a query at position ``p`` sees the keys ``p-W+1 .. p``, and
 only those keys are gathered: a windowed decode costs O(W), not O(context), and a slot before
