@@ -80,6 +80,13 @@ def test_every_decode_in_one_bucket_matches_dense(window, decode_path):
     torch.testing.assert_close(run(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("size", [0, -16])
+def test_a_decode_bucket_size_under_one_is_refused_by_name(size):
+    with pytest.raises(ValueError, match=f"decode_bucket_size must be at least 1 or None, got "
+                                         f"{size}"):
+        build_attention_metadata([SeqSlice(1, 3, [0])], 4, torch.device("cpu"), None, size)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_torch_backend_buckets_decodes_for_the_path_that_runs_them(dtype, decode_path):
     """One bucket where the C kernel takes the cache (CPU, fp32), buckets of 16 elsewhere: the
