@@ -39,6 +39,8 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
+from kv.kv_cache import gather_rows
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
@@ -106,9 +108,11 @@ class DecodeKernel:
 def reference_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, valid: Optional[torch.Tensor],
                      scale: float) -> torch.Tensor:
-    """The kernel's result through PyTorch: gather, then SDPA (shapes as ``attend``)."""
-    k = k_cache[slots].transpose(1, 2)  # [B, Hkv, K, D]
-    v = v_cache[slots].transpose(1, 2)
+    """The kernel's result through PyTorch, and the decodes' path where the kernel does not run
+    (``kv/paged_attention.py``): whole cache rows gathered into padded ``[B, Hkv, K, D]`` K/V,
+    then SDPA under the mask (shapes as ``attend``)."""
+    k = gather_rows(k_cache, slots).transpose(1, 2)  # [B, Hkv, K, D]
+    v = gather_rows(v_cache, slots).transpose(1, 2)
     mask = None if valid is None else valid[:, None, None, :]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 

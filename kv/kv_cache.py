@@ -63,3 +63,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
     """Store the new tokens' ``key``/``value`` ``[T, num_kv_heads, head_dim]`` at their slots ``[T]``."""
     k_cache.index_copy_(0, slot_mapping, key)
     v_cache.index_copy_(0, slot_mapping, value)
+
+
+def gather_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``cache[slots]`` for a ``[num_slots, Hkv, D]`` cache and any shape of ``slots``: one
+    ``index_select`` of whole rows, which copies each slot's row at once (advanced indexing
+    walks it element by element: 4-5x slower on CPU here)."""
+    rows = cache.view(cache.shape[0], -1).index_select(0, slots.reshape(-1))  # [N, Hkv*D]
+    return rows.view(*slots.shape, *cache.shape[1:])

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from kv.attention_metadata import AttentionBucket, AttentionMetadata, PrefillSlice
-from kv.cpu_decode import decode_kernel
+from kv.cpu_decode import decode_kernel, reference_attend
+from kv.kv_cache import gather_rows
 
 # Torch's CPU flash attention with its log-sum-exp (what SDPA calls on CPU); None if this torch
 # lacks it, and the masked call is used.
@@ -72,14 +73,6 @@ def paged_attention(
     for prefill in metadata.prefills:
         out[prefill.start:prefill.end] = _attend_prefill(query, k_cache, v_cache, prefill, scale)
     return out
-
-
-def gather_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``cache[slots]`` for a ``[num_slots, Hkv, D]`` cache and any shape of ``slots``: one
-    ``index_select`` of whole rows, which copies each slot's row at once (advanced indexing
-    walks it element by element: 4-5x slower on CPU here)."""
-    rows = cache.view(cache.shape[0], -1).index_select(0, slots.reshape(-1))  # [N, Hkv*D]
-    return rows.view(*slots.shape, *cache.shape[1:])
 
 
 def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -145,10 +138,9 @@ def _attend_decodes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out = kernel.attend(q, k_cache, v_cache, bucket.kv_slots,
                             bucket.mask.view(num_seqs, -1), scale)
         return out.view(num_seqs, num_heads * head_dim)
-    k = gather_rows(k_cache, bucket.kv_slots).transpose(1, 2)  # [B, Hkv, K, D]
-    v = gather_rows(v_cache, bucket.kv_slots).transpose(1, 2)  # [B, Hkv, K, D]
-    # mask [B, 1, 1, K] broadcasts over the KV heads and the G query heads of each
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=scale)
+    # gathered K/V [B, Hkv, K, D], the mask broadcast over the KV heads and their G query heads
+    out = reference_attend(q, k_cache, v_cache, bucket.kv_slots, bucket.mask.view(num_seqs, -1),
+                           scale)
     return out.reshape(num_seqs, num_heads * head_dim)
 
 

@@ -32,12 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from anywhere
     sys.path.insert(0, str(REPO))
 
-import torch.nn.functional as F  # noqa: E402
-
 from kv.attention_metadata import (DECODE_BUCKET_SIZE, SeqSlice,  # noqa: E402
                                    build_attention_metadata)
-from kv.cpu_decode import decode_kernel  # noqa: E402
-from kv.paged_attention import gather_rows  # noqa: E402
+from kv.cpu_decode import decode_kernel, reference_attend  # noqa: E402
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -62,15 +59,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     if args.heads % args.kv_heads:
         p.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     return args
-
-
-def pytorch_path(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slots: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
-    """What ``kv/paged_attention.py`` runs where the kernel does not: ``[B, Hkv, K, D]`` gathers
-    of whole cache rows, then SDPA under the mask."""
-    k = gather_rows(k_cache, slots).transpose(1, 2)
-    v = gather_rows(v_cache, slots).transpose(1, 2)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
 
 
 class Step:
@@ -133,7 +121,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         raise SystemExit("error: the C decode kernel cannot be built here (see the log line "
                          "above); nothing to compare")
     step = Step(args)
-    paths = ((kernel.attend, None), (pytorch_path, DECODE_BUCKET_SIZE))
+    paths = ((kernel.attend, None), (reference_attend, DECODE_BUCKET_SIZE))
     error = (step.attend(*paths[0], 0) - step.attend(*paths[1], 0)).abs().max().item()
     figures: Dict[str, object] = {"seqs": args.seqs, "kv_bytes_per_layer": step.kv_bytes,
                                   "max_abs_error": error, "torch_threads": torch.get_num_threads()}
