@@ -12,34 +12,27 @@ caches laid out ``[slots, Hkv, D]`` contiguously. Anything else (CUDA, bf16, pre
 PyTorch path. The results are fp32 sums in another order than SDPA's: within 1e-6 of it on
 unit-scale inputs, not bitwise equal.
 
-Building: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp -ffast-math``, into
-``kernels`` under tpserve's cache root (``$TPSERVE_CACHE``, default ``~/.cache/tpserve``; where
-that cannot be written, a folder in the temporary directory), one file per source, flags,
-compiler and CPU (``-march=native`` code runs only on CPUs like the one that built it), written
-under a temporary name and renamed, so processes building at once never load a partial file.
-The loaded kernel is checked against the PyTorch path on a small input before it is used. If
-there is no compiler, the build or the check fails, or ``TPSERVE_CPU_KERNELS=0``, a log line says
-so and decodes take the PyTorch path: nothing else changes.
+Building: `kv.native_build.build_shared` (``$CC``, default ``cc``) with ``-O3 -march=native
+-fopenmp -ffast-math``, cached under tpserve's cache root, one file per source, flags, compiler
+and CPU. The loaded kernel is checked against the PyTorch path on a small input before it is
+used. If there is no compiler, the build or the check fails, or ``TPSERVE_CPU_KERNELS=0``, a log
+line says so and decodes take the PyTorch path: nothing else changes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from kv.kv_cache import gather_rows
+from kv.native_build import KernelBuildError, build_shared
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +43,9 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBRARIES = (("-lmvec",), ())
 SWITCH_ENV = "TPSERVE_CPU_KERNELS"
-CACHE_ENV = "TPSERVE_CACHE"  # the cache root the default model lives under too
-COMPILE_TIMEOUT_S = 120
 MAX_HEADS = 256  # query heads the kernel takes (MAX_HEADS in the source)
 
 
-class KernelBuildError(RuntimeError):
-    """The kernel could not be compiled or loaded; the message says which command and why."""
 
 
 class DecodeKernel:
@@ -137,62 +126,7 @@ def decode_kernel() -> Optional[DecodeKernel]:
 def build(cache_dir: Optional[Path] = None) -> Path:
     """The compiled kernel's path, compiling it unless a build for this source, compiler and CPU
     is cached. Raises `KernelBuildError` naming the command and its error."""
-    compiler = os.environ.get("CC", "cc")
-    compiler_path = shutil.which(compiler)
-    if compiler_path is None:
-        raise KernelBuildError(f"no C compiler: {compiler!r} (from $CC, default cc) is not on "
-                               "PATH")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
-                                     compiler_path.encode(), _cpu_signature().encode()]))
-    directory = cache_dir or _writable(kernel_cache_dir())
-    target = directory / f"paged_decode-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=target.stem + ".", dir=directory) as scratch:
-        obj, partial = Path(scratch) / "paged_decode.o", Path(scratch) / target.name
-        _run([compiler_path, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)])
-        for libraries in LINK_LIBRARIES:
-            link = [compiler_path, *LINK_FLAGS, str(obj), "-o", str(partial), *libraries]
-            try:
-                _run(link)
-                break
-            except KernelBuildError:
-                if not libraries:
-                    raise
-        os.replace(partial, target)  # atomic: a process building at once loads one or the other
-    return target
-
-
-def _writable(directory: Path) -> Path:
-    """``directory``, or a folder of this user's in the temporary directory where it cannot be
-    made or written (a read-only home in a container)."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if os.access(directory, os.W_OK):
-            return directory
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / f"tpserve-kernels-{os.getuid()}"
-
-
-def _run(command: List[str]) -> None:
-    try:
-        done = subprocess.run(command, capture_output=True, text=True,
-                              timeout=COMPILE_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired:
-        raise KernelBuildError(f"`{' '.join(command)}` ran past {COMPILE_TIMEOUT_S} s") from None
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip()[-800:]
-        raise KernelBuildError(f"`{' '.join(command)}` exited {done.returncode}: {tail}")
-
-
-def kernel_cache_dir() -> Path:
-    """``kernels`` under tpserve's cache root: ``$TPSERVE_CACHE``, else ``~/.cache/tpserve`` (as
-    `workers.default_model.cache_root`)."""
-    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tpserve"
-    return Path(root).expanduser().absolute() / "kernels"
+    return build_shared(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBRARIES, cache_dir)
 
 
 def check(kernel: DecodeKernel) -> None:
@@ -211,18 +145,3 @@ def check(kernel: DecodeKernel) -> None:
     error = (got - want).abs().max().item()
     if not error < 1e-4:
         raise KernelBuildError(f"{kernel.path} differs from PyTorch's SDPA by {error:.2e}")
-
-
-def _cpu_signature() -> str:
-    """What ``-march=native`` depends on: the machine and its CPU's model and flags."""
-    signature = platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("model name", "flags")):
-                    signature += line
-                if line.startswith("flags"):
-                    break
-    except OSError:
-        signature += platform.processor()
-    return signature

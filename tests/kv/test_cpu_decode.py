@@ -12,13 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kv.cpu_decode as cpu_decode
+import kv.native_build as native_build
 from kv.cpu_decode import DecodeKernel, KernelBuildError, build, decode_kernel, reference_attend
 
 
 @pytest.fixture
 def fresh_kernel(monkeypatch, tmp_path):
     """decode_kernel() looked up again, with its builds in tmp_path; cleared again afterwards."""
-    monkeypatch.setenv(cpu_decode.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path))
     decode_kernel.cache_clear()
     yield tmp_path / "kernels"
     decode_kernel.cache_clear()
@@ -147,7 +148,7 @@ def test_the_switch_turns_it_off(monkeypatch, fresh_kernel):
 
 
 def test_an_unwritable_cache_builds_in_the_temporary_directory(monkeypatch, tmp_path):
-    monkeypatch.setenv(cpu_decode.CACHE_ENV, "/proc/no-such-dir")
+    monkeypatch.setenv(native_build.CACHE_ENV, "/proc/no-such-dir")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     built = build()
     assert built.parent.parent == tmp_path and built.exists()
