@@ -79,6 +79,7 @@ from ray.serve.request_router import (
 )
 
 from cluster.load_report import FleetLoads, ReplicaLoadTracker
+from cluster import native_rank
 from cluster.metrics import register_router_decisions
 from cluster.placement import GroupLoad, Placement, RequestDemand, rank_groups
 from cluster.prefix_index import PrefixIndex
@@ -176,6 +177,8 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._decision_counts: collections.Counter = collections.Counter()
         self._decision_times_us: Deque[float] = collections.deque(maxlen=4096)
         self._warned_bad_demand = False
+        # The C ranking of uniform fleets (built here, off the decision path); None: Python.
+        self._native = native_rank.load()
         _register(self)
         register_router_decisions(self._decision_counts)  # /metrics of the caller's process
 
@@ -246,6 +249,22 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     ) -> Tuple[Optional[List[List[RunningReplica]]], _PendingDecision]:
         """Ranked replicas and the decision to remember; (None, fallback) to fall back."""
         fleet = self._fleet(candidate_replicas, time.time())
+        if fleet.native is not None:  # a uniform fleet of up to 64 groups: one C call
+            block_size = (request_kwargs.get("block_size") or self._settings.block_size
+                          or fleet.loads[0].block_size)  # as _demand takes it
+            try:
+                ranks, order, committed, prefix, base, num_blocks, hashes = self._native.rank(
+                    fleet.native, request_kwargs.get("block_hashes") or (), num_tokens,
+                    block_size)
+            except (TypeError, ValueError, OverflowError):
+                pass  # a demand it refuses: the Python path below says why
+            else:
+                placements = UniformRanking(order, fleet.loads, committed, prefix, base,
+                                            num_blocks, self._settings.target_occupancy)
+                if fleet.unreported:
+                    ranks.append(list(fleet.unreported))
+                return ranks, _PendingDecision(num_tokens, placements, block_hashes=hashes,
+                                               block_size=block_size)
         loads, by_group, unreported = fleet.loads, fleet.by_group, fleet.unreported
         if not loads and not unreported and fleet.num_dead:
             return [], _PendingDecision(0, None, NO_HEALTHY_GROUP)
@@ -298,10 +317,16 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             changed.clear()
             return fleet
         changed.clear()
-        fleet = FleetLoads(candidate_replicas, self._tracker_of, now, max_age_s,
-                           self._uniform_from())
+        fleet = self._new_fleet(candidate_replicas, now)
         # Only Serve's list is replaced on every update; a list of the caller's may change in place.
         self._fleet_cache = fleet if candidate_replicas is self._replicas_list else None
+        return fleet
+
+    def _new_fleet(self, replicas: List[RunningReplica], now: float) -> FleetLoads:
+        fleet = FleetLoads(replicas, self._tracker_of, now, self._settings.max_report_age_s,
+                           self._uniform_from())
+        if self._native is not None:
+            fleet.native = native_rank.fleet_state(self._prefix_index, fleet, self._settings)
         return fleet
 
     def _uniform_from(self) -> Optional[int]:
@@ -353,8 +378,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 self._trackers.pop(group_id).close()
         # New reports arrive with replica updates: parse them here, off the decision path, into
         # the loads the decisions use until the next update.
-        self._fleet_cache = FleetLoads(self._replicas_list, self._tracker_of, now,
-                                       self._settings.max_report_age_s, self._uniform_from())
+        self._fleet_cache = self._new_fleet(self._replicas_list, now)
         self._changed.clear()
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:

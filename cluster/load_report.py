@@ -253,11 +253,12 @@ class FleetLoads:
     A fleet the router ranks with `cluster.uniform_rank.rank_uniform` (``uniform_from`` groups
     or more, and `is_uniform`) keeps its current committed blocks in ``kept`` (a
     `CommittedOrder`) and its ``loads`` as the reports left them; any other fleet has its
-    ``loads`` patched and ``kept`` None."""
+    ``loads`` patched and ``kept`` None. ``native``: what the router's C ranking reads of a
+    kept fleet, set by the router (None: it ranks in Python)."""
 
     __slots__ = ("replicas_list", "built_at", "loads", "replicas", "ranks", "by_group",
                  "position", "index_of_bit", "bits", "kept", "unreported", "num_dead",
-                 "_oldest_fresh_age_s")
+                 "native", "_oldest_fresh_age_s")
 
     def __init__(self, replicas_list: Sequence[Any],
                  tracker_of: Callable[[Any], "ReplicaLoadTracker"], now: float,
@@ -298,6 +299,7 @@ class FleetLoads:
         uniform = (uniform_from is not None and len(self.loads) >= uniform_from
                    and is_uniform(self.loads, max_report_age_s))
         self.kept = CommittedOrder(self.loads) if uniform else None
+        self.native: Optional[tuple] = None  # the router's `cluster.native_rank.fleet_state`
 
     def holds_until(self, now: float, max_report_age_s: float) -> bool:
         """Whether every fresh report it holds is still fresh at ``now`` (stale ones stay so)."""

@@ -44,6 +44,11 @@ class PrefixIndex:
         """Distinct hashes held by any group."""
         return len(self._masks)
 
+    @property
+    def masks(self) -> Dict[BlockHash, int]:
+        """The index itself (hash -> bitmask), for `cluster.native_rank`'s walk; read only."""
+        return self._masks
+
     def add_group(self, group_id: str) -> int:
         """The bit of ``group_id`` (a new one, or a freed one reused, for a new group)."""
         bit = self._bit_of_group.get(group_id)

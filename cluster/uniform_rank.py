@@ -42,18 +42,19 @@ _AGE = attrgetter("report_age_s")
 
 class CommittedOrder:
     """The indices of a fleet's loads by committed blocks, then group id (``order``), with each
-    group's committed blocks (``committed``), kept as charges move them (`set`)."""
+    group's committed blocks (``committed``) and place by group id (``tie``), kept as charges
+    move them (`set`: in place, so `cluster.native_rank`'s fleet state holds the same lists)."""
 
-    __slots__ = ("order", "committed", "_keys", "_tie")
+    __slots__ = ("order", "committed", "tie", "_keys")
 
     def __init__(self, loads: Sequence[GroupLoad]) -> None:
         n = len(loads)
-        self._tie = [0] * n  # the index's place by group id
+        self.tie = [0] * n  # the index's place by group id
         for place, i in enumerate(sorted(range(n), key=lambda i: loads[i].group_id)):
-            self._tie[i] = place
+            self.tie[i] = place
         self.committed = [load._num_blocks_committed for load in loads]
         # one int per group that sorts as (committed, group id) does
-        self._keys = [c * n + t for c, t in zip(self.committed, self._tie)]
+        self._keys = [c * n + t for c, t in zip(self.committed, self.tie)]
         self.order = sorted(range(n), key=self._keys.__getitem__)
 
     def set(self, i: int, committed: int) -> None:
@@ -63,7 +64,7 @@ class CommittedOrder:
         keys, order = self._keys, self.order
         del order[bisect_left(order, keys[i], key=keys.__getitem__)]
         self.committed[i] = committed
-        keys[i] = committed * len(keys) + self._tie[i]
+        keys[i] = committed * len(keys) + self.tie[i]
         insort(order, i, key=keys.__getitem__)
 
 

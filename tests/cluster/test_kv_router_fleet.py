@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("ray")
 from ray.serve._private.common import DeploymentHandleSource, ReplicaID  # noqa: E402
 
-from cluster import kv_router  # noqa: E402
+from cluster import kv_router, native_rank  # noqa: E402
 from cluster.kv_router import KVAwareRouter  # noqa: E402
 from cluster.placement import PlacementReason, RequestDemand, rank_groups  # noqa: E402
 from cluster.uniform_rank import UniformRanking  # noqa: E402
@@ -56,6 +56,16 @@ class Serve:
 
     def close(self) -> None:
         self.loop.close()
+
+
+@pytest.fixture(params=["c", "python"])
+def ranking(request, monkeypatch):
+    """Uniform fleets ranked by the C call (`cluster.native_rank`) or in Python."""
+    if request.param == "python":
+        monkeypatch.setenv(native_rank.SWITCH_ENV, "0")
+    native_rank.load.cache_clear()
+    yield request.param
+    native_rank.load.cache_clear()
 
 
 @pytest.fixture
@@ -105,7 +115,7 @@ def _ranked_by_rank_groups(router: KVAwareRouter, pending) -> List[str]:
     return [p.group_id for p in rank_groups(demand, loads, 0.70, 5.0)]
 
 
-def test_a_large_uniform_fleet_is_ranked_as_rank_groups_ranks_it(serve):
+def test_a_large_uniform_fleet_is_ranked_as_rank_groups_ranks_it(ranking, serve):
     # 30 groups (the uniform ranking's side of the threshold), all holding a 4-block system
     # prompt; conversations' turns follow, charged and accepted as Serve would.
     system = list(range(1, 4 * 16 + 1))
@@ -115,6 +125,7 @@ def test_a_large_uniform_fleet_is_ranked_as_rank_groups_ranks_it(serve):
     replicas = [ServeStandIn(f"g{k:02d}", stats(1, (7 * k) % 60, cached_block_hashes=shared))
                 for k in range(30)]
     serve.update(replicas)
+    assert (serve.router._fleet_cache.native is not None) == (ranking == "c")
     rng = random.Random(0)
     decided = []
     for i in range(40):
@@ -132,6 +143,16 @@ def test_a_large_uniform_fleet_is_ranked_as_rank_groups_ranks_it(serve):
             serve.router.on_request_routed(pending, ReplicaID(taker, DEPLOYMENT), None)
     # what a decision ranked stays as it was when later charges change the fleet's loads
     assert all(list(placements) == then for placements, then in decided)
+
+
+@pytest.mark.parametrize("bad", [{"num_tokens": -5}, {"num_tokens": "12"},
+                                 {"num_tokens": 12, "block_size": "16"}])
+def test_a_bad_demand_on_a_large_fleet_falls_back_as_on_a_small_one(ranking, serve, bad):
+    serve.update([ServeStandIn(f"g{k:02d}", stats(1, k)) for k in range(30)])
+    pending = request("r", block_hashes=[1, 2], **bad)
+    assert len(serve.choose(pending)) == 2  # power of two choices
+    serve.router.on_request_routed(pending, ReplicaID("g00", DEPLOYMENT), None)
+    assert serve.router.decision_counts() == {kv_router.FALLBACK_BAD_DEMAND: 1}
 
 
 def test_a_stale_report_sends_the_fleet_back_to_rank_groups(serve, monkeypatch):

@@ -1,0 +1,164 @@
+"""The router's C ranking of a uniform fleet (`cluster.native_rank`) equals the Python it
+replaces, `PrefixIndex.prefix_split` then `rank_uniform`, on fleets built as the router builds
+them (real trackers, a real prefix index, charges moving the kept order); and where it cannot
+rank (no compiler, too many groups, a bad demand) the router ranks in Python as before."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster import native_rank
+from cluster.load_report import FleetLoads, ReplicaLoadTracker
+from cluster.placement import RequestDemand
+from cluster.prefix_index import PrefixIndex
+from cluster.router_settings import RouterSettings
+from cluster.uniform_rank import UniformRanking, rank_uniform
+from kv.prefix_hash import extend_block_hashes
+
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def module():
+    built = native_rank.load()
+    assert built is not None, "the C ranking did not build here (see the warning logged)"
+    return built
+
+
+class Replica:
+    """What FleetLoads reads of Serve's RunningReplica."""
+
+    def __init__(self, name: str, routing_stats: dict) -> None:
+        self.replica_id = type("Id", (), {"unique_id": name})()
+        self.routing_stats = routing_stats
+
+
+def report(used: int, total: int, cached, waiting: int = 0) -> dict:
+    return {"seq": 1, "time": 0.0, "kv_blocks_used": used, "kv_blocks_total": total,
+            "block_size": BS, "waiting_tokens": waiting, "cached_block_hashes": list(cached),
+            "accepted_ids": []}
+
+
+def build_fleet(groups, index: PrefixIndex, extra_groups: int = 0):
+    """``groups``: (used, total, cached hashes, waiting, tokens charged since) per group, named
+    out of index order; ``extra_groups`` more groups hold bits in the index, not in the fleet."""
+    trackers = {}
+    for k in range(extra_groups):  # e.g. a group gone from Serve's list, its bit kept
+        ReplicaLoadTracker(f"other-{k}", 60.0, index).observe(
+            report(0, 100, [h for g in groups for h in g[2]][:3]), time.time())
+    replicas = [Replica(f"g{(7 * k) % 97:02d}", report(used, total, cached, waiting))
+                for k, (used, total, cached, waiting, _) in enumerate(groups)]
+
+    def tracker_of(replica):
+        name = replica.replica_id.unique_id
+        if name not in trackers:
+            trackers[name] = ReplicaLoadTracker(name, 60.0, index)
+        return trackers[name]
+
+    fleet = FleetLoads(replicas, tracker_of, time.time(), 5.0, uniform_from=1)
+    for k, (*_, sent) in enumerate(groups):  # charges after the report move the kept order
+        if sent:
+            tracker = trackers[replicas[k].replica_id.unique_id]
+            tracker.charge(f"r{k}", sent, time.time())
+            fleet.kept.set(k, tracker.committed_blocks())
+    return fleet
+
+
+def python_rank(index, fleet, hashes, num_tokens, block_size, router_settings):
+    base, longer = index.prefix_split(hashes, fleet.bits, fleet.index_of_bit)
+    demand = RequestDemand(num_tokens, tuple(hashes), block_size)
+    return rank_uniform(demand, fleet.loads, fleet.kept, base, longer,
+                        router_settings.target_occupancy, router_settings.prefix_weight,
+                        router_settings.load_weight, router_settings.load_scale)
+
+
+@st.composite
+def cases(draw):
+    system = list(range(1, 1 + BS * draw(st.integers(0, 4))))
+    convs = [extend_block_hashes([], system + [1000 * c + t for t in range(BS * 10)], BS)
+             for c in range(4)]
+    total = draw(st.sampled_from([16, 100, 512]))
+    extra = draw(st.integers(0, 3))  # groups in the index, not in the fleet: all bits < 2**64
+    groups = []
+    for _ in range(draw(st.integers(1, 64 - extra))):
+        cached = []
+        for _ in range(draw(st.integers(0, 2))):
+            conv = draw(st.sampled_from(convs))
+            start = draw(st.sampled_from([0, 0, 0, 1, 3]))  # mostly a prefix, not always
+            cached += conv[start:draw(st.integers(start, len(conv)))]
+        groups.append((draw(st.integers(0, total)), total, cached,
+                       draw(st.sampled_from([0, 0, 9, 70])), draw(st.sampled_from([0, 0, 30]))))
+    conv = draw(st.sampled_from(convs))
+    hashes = conv[:draw(st.integers(0, len(conv)))]
+    if draw(st.booleans()):
+        hashes = hashes[:1] + [7] + hashes[2:]  # a block no group holds, mid-prompt
+    return groups, hashes, draw(st.integers(0, 12 * BS)), draw(st.sampled_from([BS, BS, 16])), extra
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases(), st.floats(0.05, 1.0), st.sampled_from([0.0, 3.0]), st.sampled_from([0.0, 2.0]),
+       st.sampled_from(["highest", "target"]))
+def test_the_c_ranking_equals_prefix_split_then_rank_uniform(module, case, target, prefix_weight,
+                                                             load_weight, scale):
+    groups, hashes, num_tokens, block_size, extra = case
+    router_settings = RouterSettings(target_occupancy=target, prefix_weight=prefix_weight,
+                                     load_weight=load_weight, load_scale=scale)
+    index = PrefixIndex()
+    fleet = build_fleet(groups, index, extra)
+    state = native_rank.fleet_state(index, fleet, router_settings)
+    assert state is not None
+    ranks, order, committed, prefix, base, num_blocks, got_hashes = module.rank(
+        state, hashes, num_tokens, block_size)
+    expected = python_rank(index, fleet, hashes, num_tokens, block_size, router_settings)
+    assert order == expected.order
+    assert ranks == [fleet.ranks[i] for i in expected.order]
+    assert got_hashes == tuple(hashes)
+    got = UniformRanking(order, fleet.loads, committed, prefix, base, num_blocks, target)
+    assert list(got) == list(expected)  # Placement for Placement: reasons, occupancies, prefix
+    assert committed == fleet.kept.committed and committed is not fleet.kept.committed
+
+
+def test_a_fleet_over_64_groups_or_bits_is_left_to_python():
+    index = PrefixIndex()
+    router_settings = RouterSettings()
+    assert native_rank.fleet_state(index, build_fleet([(1, 100, [], 0, 0)] * 65, index),
+                                   router_settings) is None
+    index = PrefixIndex()
+    wide = build_fleet([(1, 100, [], 0, 0)] * 10, index, extra_groups=60)  # bits up to 2**69
+    assert wide.bits >> 64 and native_rank.fleet_state(index, wide, router_settings) is None
+
+
+@pytest.mark.parametrize("num_tokens, block_size, error", [
+    (-1, BS, ValueError), ("12", BS, TypeError), (12, 0, ValueError), (2**70, BS, OverflowError),
+    (12, "8", TypeError)])
+def test_a_demand_rank_groups_refuses_is_refused(module, num_tokens, block_size, error):
+    index = PrefixIndex()
+    fleet = build_fleet([(1, 100, [], 0, 0)] * 3, index)
+    with pytest.raises(error):
+        module.rank(native_rank.fleet_state(index, fleet, RouterSettings()), [1, 2], num_tokens,
+                    block_size)
+
+
+def test_without_a_compiler_the_router_ranks_in_python(monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    native_rank.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="cluster.native_rank"):
+            assert native_rank.load() is None
+        assert "'/nonexistent/cc'" in caplog.text and "rank in Python" in caplog.text
+    finally:
+        native_rank.load.cache_clear()
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv(native_rank.SWITCH_ENV, "0")
+    native_rank.load.cache_clear()
+    try:
+        assert native_rank.load() is None
+    finally:
+        native_rank.load.cache_clear()
