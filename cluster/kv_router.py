@@ -138,6 +138,7 @@ class _PendingDecision:
     charged: Optional[ReplicaID] = None  # the replica charged for it on the decision
     block_hashes: Tuple[BlockHash, ...] = ()  # its prompt's, noted where it is accepted
     block_size: int = 1
+    first_tokens: Optional[int] = None  # tokens_on(the first choice), where known already
 
     def tokens_on(self, group_id: str) -> int:
         """What the request adds to ``group_id``'s pool: its tokens less the blocks of its prefix
@@ -216,7 +217,11 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return await self._power_of_two(candidate_replicas, pending_request)
         start_ns = time.perf_counter_ns()
         request_id = pending_request.metadata.internal_request_id
-        self._drop_pending(request_id)  # a retry: its earlier choice refused it
+        # Few function calls on this path: each costs a fetch of its code when caches are cold
+        # (README, scripts/bench_router.py), so small helpers are inlined here.
+        earlier = self._pending.pop(request_id, None)
+        if earlier is not None:  # a retry: its earlier choice refused it
+            self._release(earlier, request_id)
         num_tokens = pending_request.kwargs.get("num_tokens")
         if num_tokens is None:
             self._remember(request_id, _PendingDecision(0, None, FALLBACK_NO_NUM_TOKENS))
@@ -232,10 +237,16 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return await self._power_of_two(candidate_replicas, pending_request)
         # Charge the first choice now, not when it accepts: the routing tasks of a burst run
         # before any acceptance comes back, and must see each other's requests.
-        decision.charged = ranks[0][0].replica_id
-        self._tracker(decision.charged).charge(
-            request_id, decision.tokens_on(decision.charged.unique_id), time.time())
-        self._remember(request_id, decision)
+        charged = decision.charged = ranks[0][0].replica_id
+        tokens = decision.first_tokens
+        if tokens is None:
+            tokens = decision.tokens_on(charged.unique_id)
+        tracker = self._trackers.get(charged.unique_id) or self._tracker(charged)
+        tracker.charge(request_id, tokens, time.time())
+        pending = self._pending
+        pending[request_id] = decision
+        if len(pending) > MAX_PENDING_REQUESTS:
+            self._remember(request_id, decision)  # drops the oldest
         elapsed_us = (time.perf_counter_ns() - start_ns) / 1000
         with self._stats_lock:
             self._decision_times_us.append(elapsed_us)
@@ -253,7 +264,8 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             block_size = (request_kwargs.get("block_size") or self._settings.block_size
                           or fleet.loads[0].block_size)  # as _demand takes it
             try:
-                ranks, order, committed, prefix, base, num_blocks, hashes = self._native.rank(
+                (ranks, order, committed, prefix, base, num_blocks, hashes,
+                 first_tokens) = self._native.rank(
                     fleet.native, request_kwargs.get("block_hashes") or (), num_tokens,
                     block_size)
             except (TypeError, ValueError, OverflowError):
@@ -263,8 +275,8 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                                             num_blocks, self._settings.target_occupancy)
                 if fleet.unreported:
                     ranks.append(list(fleet.unreported))
-                return ranks, _PendingDecision(num_tokens, placements, block_hashes=hashes,
-                                               block_size=block_size)
+                return ranks, _PendingDecision(num_tokens, placements, NO_REPORT, None, hashes,
+                                               block_size, first_tokens)
         loads, by_group, unreported = fleet.loads, fleet.by_group, fleet.unreported
         if not loads and not unreported and fleet.num_dead:
             return [], _PendingDecision(0, None, NO_HEALTHY_GROUP)
@@ -313,8 +325,9 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         max_age_s = self._settings.max_report_age_s
         if (fleet is not None and fleet.replicas_list is candidate_replicas
                 and fleet.holds_until(now, max_age_s)):
-            fleet.patch(self._trackers, changed, now)
-            changed.clear()
+            if changed:  # charges of decisions not yet accepted (acceptances patch it at once)
+                fleet.patch(self._trackers, changed, now)
+                changed.clear()
             return fleet
         changed.clear()
         fleet = self._new_fleet(candidate_replicas, now)
@@ -368,6 +381,12 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             tracker.note_routed(decision.block_hashes, now)
         with self._stats_lock:
             self._decision_counts[reason] += 1
+        # Move the kept loads now, after the request went out, rather than in the next decision.
+        fleet = self._fleet_cache
+        if fleet is not None and self._changed and fleet.holds_until(
+                now, self._settings.max_report_age_s):
+            fleet.patch(self._trackers, self._changed, now)
+            self._changed.clear()
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         super().update_replicas(replicas)

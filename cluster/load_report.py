@@ -152,10 +152,15 @@ class ReplicaLoadTracker:
 
     def charge(self, request_id: str, num_tokens: int, now: float) -> None:
         """Count ``num_tokens`` against the replica from ``now`` on (again: re-stamped)."""
-        self.release(request_id)
+        # release() and _changed() inlined: this runs in every routing decision
+        earlier = self._charges.pop(request_id, None)
+        if earlier is not None:
+            self.num_tokens_sent -= earlier[1]
         self._charges[request_id] = (now, num_tokens)
         self.num_tokens_sent += num_tokens
-        self._changed()
+        self._load = None
+        if self._on_change is not None:
+            self._on_change(self.group_id)
 
     def note_routed(self, block_hashes: Sequence[BlockHash], now: float) -> None:
         """Count ``block_hashes`` (a prompt this group accepted) as cached here from ``now`` on."""

@@ -3,7 +3,10 @@
  * Python it equals, decision for decision (tests/cluster/test_native_rank.py).
  *
  *   rank(state, hashes, num_tokens, block_size)
- *     -> (ranks, order, committed, prefix, base, num_blocks, hashes)
+ *     -> (ranks, order, committed, prefix, base, num_blocks, hashes, first_tokens)
+ *
+ * first_tokens: what the request adds to the first choice's pool (its tokens less the blocks of
+ * its prefix cached there), the router's charge (kv_router._PendingDecision.tokens_on).
  *
  * state (one tuple per fleet, built by native_rank.fleet_state; its lists are the fleet's own,
  * moved in place as charges change them):
@@ -213,7 +216,7 @@ static void merge(const State *s, const long *rest, long n, const long *pidx, co
 
 static PyObject *build_result(const State *s, const long *order, long n, const long *pidx,
                               const long *pheld, int np, long base, long num_blocks,
-                              PyObject *hashes) {
+                              PyObject *hashes, long first_tokens) {
     PyObject *ranks = PyList_New(n), *order_out = PyList_New(n), *prefix = PyDict_New();
     PyObject *committed = PyList_GetSlice(s->committed, 0, n);
     if (!ranks || !order_out || !prefix || !committed) goto fail;
@@ -232,8 +235,8 @@ static PyObject *build_result(const State *s, const long *order, long n, const l
         Py_XDECREF(value);
         if (failed) goto fail;
     }
-    return Py_BuildValue("(NNNNllO)", ranks, order_out, committed, prefix, base, num_blocks,
-                         hashes);
+    return Py_BuildValue("(NNNNllOl)", ranks, order_out, committed, prefix, base, num_blocks,
+                         hashes, first_tokens);
 fail:
     Py_XDECREF(ranks);
     Py_XDECREF(order_out);
@@ -277,7 +280,14 @@ static PyObject *rank_fleet(const State *s, PyObject *hashes, long num_tokens, l
     } else {
         merge(s, rest, m, pidx, pheld, np, base, num_blocks, num_hashes, order);
     }
-    return build_result(s, order, n, pidx, pheld, np, base, num_blocks, hashes);
+    if (PyErr_Occurred()) return NULL;  /* a kept list held something else than ints */
+    long cached = base;
+    for (int j = 0; j < np; j++) {
+        if (n > 0 && pidx[j] == order[0]) cached = pheld[j];
+    }
+    long first_tokens = num_tokens - cached * block_size;
+    return build_result(s, order, n, pidx, pheld, np, base, num_blocks, hashes,
+                        first_tokens > 0 ? first_tokens : 0);
 }
 
 /* rank(state, hashes, num_tokens, block_size): see the top of this file. Refuses what
@@ -313,7 +323,7 @@ static PyObject *rank(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 static PyMethodDef methods[] = {
     {"rank", (PyCFunction)(void (*)(void))rank, METH_FASTCALL,
      "rank(state, hashes, num_tokens, block_size) -> (ranks, order, committed, prefix, base, "
-     "num_blocks, hashes)"},
+     "num_blocks, hashes, first_tokens)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -112,7 +112,7 @@ def test_the_c_ranking_equals_prefix_split_then_rank_uniform(module, case, targe
     fleet = build_fleet(groups, index, extra)
     state = native_rank.fleet_state(index, fleet, router_settings)
     assert state is not None
-    ranks, order, committed, prefix, base, num_blocks, got_hashes = module.rank(
+    ranks, order, committed, prefix, base, num_blocks, got_hashes, first_tokens = module.rank(
         state, hashes, num_tokens, block_size)
     expected = python_rank(index, fleet, hashes, num_tokens, block_size, router_settings)
     assert order == expected.order
@@ -121,6 +121,9 @@ def test_the_c_ranking_equals_prefix_split_then_rank_uniform(module, case, targe
     got = UniformRanking(order, fleet.loads, committed, prefix, base, num_blocks, target)
     assert list(got) == list(expected)  # Placement for Placement: reasons, occupancies, prefix
     assert committed == fleet.kept.committed and committed is not fleet.kept.committed
+    if order:  # the router's charge for the first choice, as _PendingDecision.tokens_on has it
+        cached = expected.cached_blocks_of(fleet.loads[order[0]].group_id)
+        assert first_tokens == max(0, num_tokens - cached * block_size)
 
 
 def test_a_fleet_over_64_groups_or_bits_is_left_to_python():
