@@ -7,10 +7,13 @@
          -> rank_groups -> [[best replica], [next], ..., [replicas without a report]]
             (the same ranking by `cluster.uniform_rank.rank_uniform` for fleets of 24+ groups
             with one pool size and fresh reports: no Python pass over every group, the order
-            by committed blocks kept in `FleetLoads.kept` and moved with each charge)
+            by committed blocks kept in `FleetLoads.kept` and moved with each charge; for such
+            fleets of up to 64 groups, the walk and the ranking are one C call,
+            `cluster.native_rank`, with the same result)
          and T is charged to the first choice at once (the rest of a burst must see it)
       -> Serve tries the ranks in order (a full replica, by its queue length, is passed over)
       -> on_request_routed: a replica accepted it; count the reason, move the charge there
+         (and the kept order with it: the request is on its way, the next decision is not)
 
 The keyword arguments reach the replica's method too, so the group deployment's ``generate``
 accepts ``num_tokens``, ``block_hashes`` and ``block_size``. Its ``record_routing_stats()`` returns
@@ -78,8 +81,8 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from cluster.load_report import FleetLoads, ReplicaLoadTracker
 from cluster import native_rank
+from cluster.load_report import FleetLoads, ReplicaLoadTracker
 from cluster.metrics import register_router_decisions
 from cluster.placement import GroupLoad, Placement, RequestDemand, rank_groups
 from cluster.prefix_index import PrefixIndex
@@ -165,8 +168,6 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # By ReplicaID.unique_id: a str hashes in C, a ReplicaID in Python (this is per replica
         # per decision).
         self._trackers: Dict[str, ReplicaLoadTracker] = {}
-        # Every tracker's cached hashes, by group bit: one walk finds all groups' prefixes.
-        self._prefix_index = PrefixIndex()
         # The loads of Serve's replica list, patched with the groups changed since (see _fleet).
         self._fleet_cache: Optional[FleetLoads] = None
         self._changed: Set[str] = set()
@@ -180,6 +181,8 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._warned_bad_demand = False
         # The C ranking of uniform fleets (built here, off the decision path); None: Python.
         self._native = native_rank.load()
+        # Every tracker's cached hashes, by group bit: one walk finds all groups' prefixes.
+        self._prefix_index = PrefixIndex(self._native)
         _register(self)
         register_router_decisions(self._decision_counts)  # /metrics of the caller's process
 

@@ -76,13 +76,14 @@ def fleet_state(index: "PrefixIndex", fleet: "FleetLoads",
     """What ``rank`` reads of a fleet ranked by `rank_uniform` (``fleet.kept`` set), holding the
     fleet's own lists (moved in place by charges); None where the C call cannot rank it."""
     kept = fleet.kept
-    if kept is None or len(fleet.loads) > MAX_GROUPS or fleet.bits >> MAX_GROUPS:
+    if (kept is None or index.table is None or len(fleet.loads) > MAX_GROUPS
+            or fleet.bits >> MAX_GROUPS):
         return None
     bit_index = [-1] * MAX_GROUPS
     for bit, i in fleet.index_of_bit.items():
         bit_index[bit.bit_length() - 1] = i
     first = fleet.loads[0]
-    return (index.masks, fleet.bits, bit_index, kept.order, kept.committed, kept.tie, fleet.ranks,
+    return (index.table, fleet.bits, bit_index, kept.order, kept.committed, kept.tie, fleet.ranks,
             first.block_size, first.num_blocks_total, float(settings.target_occupancy),
             float(settings.prefix_weight), float(settings.load_weight),
             settings.load_scale == "target")

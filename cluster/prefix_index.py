@@ -25,15 +25,22 @@ prefix). Not thread-safe: the router calls it from its event loop only.
 
 from __future__ import annotations
 
+import logging
+from types import ModuleType
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from kv.prefix_hash import BlockHash
+
+logger = logging.getLogger(__name__)
 
 
 class PrefixIndex:
     """Block hash -> bitmask of the groups holding it (see the module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, native: Optional[ModuleType] = None) -> None:
+        """``native``: `cluster.native_rank.load()`'s module, to keep a C mirror (``table``)."""
+        self._native = native
+        self._table = native.new_table() if native is not None else None
         self._masks: Dict[BlockHash, int] = {}
         self._group_of_bit: Dict[int, str] = {}
         self._bit_of_group: Dict[str, int] = {}
@@ -45,9 +52,10 @@ class PrefixIndex:
         return len(self._masks)
 
     @property
-    def masks(self) -> Dict[BlockHash, int]:
-        """The index itself (hash -> bitmask), for `cluster.native_rank`'s walk; read only."""
-        return self._masks
+    def table(self) -> Any:
+        """The mirror of the index for `cluster.native_rank`'s walk (None: there is none, or a
+        hash could not be mirrored)."""
+        return self._table
 
     def add_group(self, group_id: str) -> int:
         """The bit of ``group_id`` (a new one, or a freed one reused, for a new group)."""
@@ -72,11 +80,15 @@ class PrefixIndex:
         self._free_bits.append(bit)
 
     def add(self, bit: int, hashes: Iterable[BlockHash]) -> None:
+        if self._table is not None:
+            hashes = self._mirror(hashes, bit, True)
         masks = self._masks
         for block_hash in hashes:
             masks[block_hash] = masks.get(block_hash, 0) | bit
 
     def discard(self, bit: int, hashes: Iterable[BlockHash]) -> None:
+        if self._table is not None:
+            hashes = self._mirror(hashes, bit, False)
         masks = self._masks
         keep = ~bit
         for block_hash in hashes:
@@ -85,6 +97,18 @@ class PrefixIndex:
                 masks[block_hash] = mask
             else:
                 masks.pop(block_hash, None)
+
+    def _mirror(self, hashes: Iterable[BlockHash], bit: int, add: bool) -> Iterable[BlockHash]:
+        """Apply an add or discard to the C mirror; returns ``hashes`` for the dict (a list if
+        they were an iterator, which the mirror has read)."""
+        if not isinstance(hashes, (list, tuple, set, frozenset, dict)):
+            hashes = list(hashes)
+        try:
+            self._native.table_update(self._table, hashes, bit, add)
+        except ValueError as e:  # the table marked itself unusable: fleets rank in Python
+            logger.warning("prefix index: %s", e)
+            self._table = None
+        return hashes
 
     def prefix_blocks(self, hashes: Sequence[BlockHash]) -> Dict[str, int]:
         """For each group holding at least the first of ``hashes``: how many leading ones it

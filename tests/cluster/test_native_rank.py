@@ -108,7 +108,7 @@ def test_the_c_ranking_equals_prefix_split_then_rank_uniform(module, case, targe
     groups, hashes, num_tokens, block_size, extra = case
     router_settings = RouterSettings(target_occupancy=target, prefix_weight=prefix_weight,
                                      load_weight=load_weight, load_scale=scale)
-    index = PrefixIndex()
+    index = PrefixIndex(module)
     fleet = build_fleet(groups, index, extra)
     state = native_rank.fleet_state(index, fleet, router_settings)
     assert state is not None
@@ -126,12 +126,15 @@ def test_the_c_ranking_equals_prefix_split_then_rank_uniform(module, case, targe
         assert first_tokens == max(0, num_tokens - cached * block_size)
 
 
-def test_a_fleet_over_64_groups_or_bits_is_left_to_python():
-    index = PrefixIndex()
+def test_a_fleet_over_64_groups_or_bits_is_left_to_python(module):
+    index = PrefixIndex(module)
     router_settings = RouterSettings()
+    assert native_rank.fleet_state(index, build_fleet([(1, 100, [], 0, 0)] * 64, index),
+                                   router_settings) is not None
+    index = PrefixIndex(module)
     assert native_rank.fleet_state(index, build_fleet([(1, 100, [], 0, 0)] * 65, index),
                                    router_settings) is None
-    index = PrefixIndex()
+    index = PrefixIndex(module)
     wide = build_fleet([(1, 100, [], 0, 0)] * 10, index, extra_groups=60)  # bits up to 2**69
     assert wide.bits >> 64 and native_rank.fleet_state(index, wide, router_settings) is None
 
@@ -140,7 +143,7 @@ def test_a_fleet_over_64_groups_or_bits_is_left_to_python():
     (-1, BS, ValueError), ("12", BS, TypeError), (12, 0, ValueError), (2**70, BS, OverflowError),
     (12, "8", TypeError)])
 def test_a_demand_rank_groups_refuses_is_refused(module, num_tokens, block_size, error):
-    index = PrefixIndex()
+    index = PrefixIndex(module)
     fleet = build_fleet([(1, 100, [], 0, 0)] * 3, index)
     with pytest.raises(error):
         module.rank(native_rank.fleet_state(index, fleet, RouterSettings()), [1, 2], num_tokens,
@@ -165,3 +168,49 @@ def test_the_switch_turns_it_off(monkeypatch):
         assert native_rank.load() is None
     finally:
         native_rank.load.cache_clear()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 69), st.booleans(),
+                          st.lists(st.integers(0, 40).map(lambda h: h * 0x9E3779B97F4A7C15
+                                                          % 2**64), max_size=12)),
+                max_size=60))
+def test_the_table_mirrors_the_index_through_adds_and_discards(module, ops):
+    """Bits up to 2**69 (groups beyond 64: not mirrored), hashes that collide in the table's
+    slots and deletions that shift later slots back."""
+    index = PrefixIndex(module)
+    expected = {}
+    for bit_number, add, hashes in ops:
+        bit = 1 << bit_number
+        (index.add if add else index.discard)(bit, iter(hashes))  # an iterator, read twice
+        for h in hashes:
+            expected[h] = expected.get(h, 0) | bit if add else expected.get(h, 0) & ~bit
+    low = {h: m % 2**64 for h, m in expected.items() if m % 2**64}
+    assert module.table_masks(index.table) == low
+    assert {h: m for h, m in index._masks.items()} == {h: m for h, m in expected.items() if m}
+
+
+def test_the_table_grows_and_finds_every_hash_after(module):
+    index = PrefixIndex(module)
+    hashes = [(k * 0x9E3779B97F4A7C15) % 2**64 for k in range(5000)]
+    index.add(1, hashes)
+    index.add(2, hashes[::2])
+    index.discard(1, hashes[1000:])
+    table = module.table_masks(index.table)
+    assert table == {h: (1 if k < 1000 else 0) | (2 if k % 2 == 0 else 0)
+                     for k, h in enumerate(hashes) if k < 1000 or k % 2 == 0}
+
+
+@pytest.mark.parametrize("bad", ["a-string-hash", -3, 2**64])
+def test_a_hash_the_table_cannot_hold_leaves_fleets_to_python(module, caplog, bad):
+    index = PrefixIndex(module)
+    fleet = build_fleet([(1, 100, [5, 6], 0, 0)] * 3, index)
+    state = native_rank.fleet_state(index, fleet, RouterSettings())
+    assert state is not None
+    with caplog.at_level(logging.WARNING, logger="cluster.prefix_index"):
+        index.add(1, [7, bad])
+    assert "no longer used" in caplog.text
+    assert index.table is None and native_rank.fleet_state(index, fleet, RouterSettings()) is None
+    with pytest.raises(ValueError, match="could not mirror"):  # a fleet state made before
+        module.rank(state, [5, 6], 16, BS)
+    assert index.prefix_blocks([5, 6]) == {g.group_id: 2 for g in fleet.loads}  # Python still
