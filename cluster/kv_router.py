@@ -127,7 +127,9 @@ def _register(router: "KVAwareRouter") -> None:
 # against 23.1 / 102.4; 32 groups 29.8 / 129.2 against 25.4 / 112.2. With the kept order (this
 # threshold and 1, same session, on a host where pow2's own cold figure varied 16-39 us):
 # 2 groups 12.1 / 74.6 against 16.0 / 99.7, 8 groups 18.1 / 102.7 against 14.4 / 98.5: within
-# that noise, so the threshold stays.
+# that noise, so the threshold stays. It holds where the C ranking (`cluster.native_rank`) does
+# not run; where it does, every uniform fleet takes it: scripts/bench_router.py, p50 us cold, C
+# against Python: 64 groups 26.8 / 76.2, and 2 and 8 groups (then ranked by rank_groups) 53-64.
 _UNIFORM_MIN_GROUPS = 24
 
 
@@ -346,8 +348,11 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         return fleet
 
     def _uniform_from(self) -> Optional[int]:
-        """The fewest groups ranked by rank_uniform (None: never, with a queue score)."""
-        return None if self._settings.queue_weight else _UNIFORM_MIN_GROUPS
+        """The fewest groups ranked by rank_uniform (None: never, with a queue score): every
+        uniform fleet where the C ranking runs, else 24 (see _UNIFORM_MIN_GROUPS)."""
+        if self._settings.queue_weight:
+            return None
+        return 1 if self._native is not None else _UNIFORM_MIN_GROUPS
 
     def _demand(
         self, request_kwargs: Mapping[str, Any], num_tokens: Any, groups_block_size: int

@@ -17,7 +17,10 @@ The routers are the real classes, called as Serve calls them (``choose_replicas`
 reads of Serve's ``RunningReplica``: an id, its routing stats (the group report of
 `cluster.kv_router`, 512-block pools 10-60% used, the prompts of a few conversations cached) and
 its locality. Requests are turns of 200 conversations behind an 8-block system prompt every group
-holds. The last line is JSON.
+holds, their block hashes other int objects than the reports' (as live). The last line is JSON.
+
+Fleets of 24 to 64 groups with one pool size rank with one C call (`cluster.native_rank`); set
+``TPSERVE_NATIVE_ROUTER=0`` to time the Python ranking it replaced.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -41,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from anywhere
     sys.path.insert(0, str(REPO))
 
+from cluster import native_rank  # noqa: E402
 from cluster.kv_router import KVAwareRouter  # noqa: E402
 from kv.prefix_hash import extend_block_hashes  # noqa: E402
 
@@ -83,6 +88,13 @@ def conversations(rng: random.Random) -> List[List[int]]:
                                 BLOCK_SIZE) for _ in range(NUM_CONVERSATIONS)]
 
 
+def fresh(hashes: List[int]) -> List[int]:
+    """Equal ints that are other objects, as live: the ingress hashes each prompt itself and the
+    reports' hashes arrive unpickled, so a lookup of one in the other compares values (reading
+    both objects), where the same object would compare by identity."""
+    return [int.from_bytes(h.to_bytes(8, "little"), "little") for h in hashes]
+
+
 def fleet(num_groups: int, convs: List[List[int]], rng: random.Random) -> List[StandInReplica]:
     replicas = []
     for g in range(num_groups):
@@ -95,9 +107,20 @@ def fleet(num_groups: int, convs: List[List[int]], rng: random.Random) -> List[S
 
 
 def make_router(kind: str, replicas: List[StandInReplica], loop: asyncio.AbstractEventLoop):
-    cls = KVAwareRouter if kind == "kv" else PowerOfTwoChoicesRequestRouter
-    router = cls(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
-    if kind == "kv":
+    """``kind``: "kv", "kv_python" (the same router with its C ranking switched off) or "pow2"."""
+    cls = PowerOfTwoChoicesRequestRouter if kind == "pow2" else KVAwareRouter
+    switch = os.environ.pop(native_rank.SWITCH_ENV, None)
+    if kind == "kv_python":
+        os.environ[native_rank.SWITCH_ENV] = "0"
+    native_rank.load.cache_clear()  # the router loads it (or not) when made
+    try:
+        router = cls(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    finally:
+        os.environ.pop(native_rank.SWITCH_ENV, None)
+        if switch is not None:
+            os.environ[native_rank.SWITCH_ENV] = switch
+        native_rank.load.cache_clear()
+    if kind != "pow2":
         router.initialize_state(target_occupancy=0.7, max_report_age_s=3600.0)
 
     async def update() -> None:  # Serve calls it on its event loop
@@ -137,7 +160,7 @@ def time_decisions(kind: str, num_groups: int, num_decisions: int, cold: bool,
             conv = rng.choice(convs)
             request = PendingRequest(f"r{k}", {
                 "num_tokens": rng.randrange(200, 600), "block_size": BLOCK_SIZE,
-                "block_hashes": conv[:rng.randrange(SYSTEM_BLOCKS + 1, len(conv))]})
+                "block_hashes": fresh(conv[:rng.randrange(SYSTEM_BLOCKS + 1, len(conv))])})
             if flush is not None and k >= 200:
                 flush += 1.0
             # Serve passes its own list, the one update_replicas built
@@ -157,16 +180,20 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def run(groups: Sequence[int], num_decisions: int) -> Dict[str, Any]:
     figures: Dict[str, Any] = {"num_decisions": num_decisions}
-    print(f"{'groups':>6} {'mode':>5} {'kv p50':>8} {'kv p99':>8} {'pow2 p50':>9} "
-          f"{'pow2 p99':>9} {'kv/pow2':>8}   (us per choose_replicas)")
+    print(f"{'groups':>6} {'mode':>5} {'kv p50':>8} {'kv p99':>8} {'py p50':>8} {'pow2 p50':>9} "
+          f"{'pow2 p99':>9} {'kv/pow2':>8} {'kv/py':>6}   (us per choose_replicas; py: the KV "
+          f"router ranking in Python)")
     for num_groups in groups:
         for mode in ("hot", "cold"):
             kv = time_decisions("kv", num_groups, num_decisions, mode == "cold")
+            python = time_decisions("kv_python", num_groups, num_decisions, mode == "cold")
             pow2 = time_decisions("pow2", num_groups, num_decisions, mode == "cold")
-            kv50, pow50 = statistics.median(kv), statistics.median(pow2)
+            kv50, py50, pow50 = map(statistics.median, (kv, python, pow2))
             print(f"{num_groups:>6} {mode:>5} {kv50:8.1f} {percentile(kv, 0.99):8.1f} "
-                  f"{pow50:9.1f} {percentile(pow2, 0.99):9.1f} {kv50 / pow50:8.2f}", flush=True)
+                  f"{py50:8.1f} {pow50:9.1f} {percentile(pow2, 0.99):9.1f} {kv50 / pow50:8.2f} "
+                  f"{kv50 / py50:6.2f}", flush=True)
             figures[f"kv_us_p50_{mode}_{num_groups}"] = round(kv50, 1)
+            figures[f"kv_python_us_p50_{mode}_{num_groups}"] = round(py50, 1)
             figures[f"pow2_us_p50_{mode}_{num_groups}"] = round(pow50, 1)
     return figures
 

@@ -115,17 +115,20 @@ def _ranked_by_rank_groups(router: KVAwareRouter, pending) -> List[str]:
     return [p.group_id for p in rank_groups(demand, loads, 0.70, 5.0)]
 
 
-def test_a_large_uniform_fleet_is_ranked_as_rank_groups_ranks_it(ranking, serve):
-    # 30 groups (the uniform ranking's side of the threshold), all holding a 4-block system
-    # prompt; conversations' turns follow, charged and accepted as Serve would.
+@pytest.mark.parametrize("num_groups", [3, 30])
+def test_a_uniform_fleet_is_ranked_as_rank_groups_ranks_it(ranking, serve, num_groups):
+    # 3 groups (ranked by rank_groups in Python, by the C call where it runs) or 30 (by the
+    # uniform ranking either way), all holding a 4-block system prompt; conversations' turns
+    # follow, charged and accepted as Serve would.
     system = list(range(1, 4 * 16 + 1))
     turns = [extend_block_hashes([], system + [1000 * c + t for t in range(16 * 6)], 16)
              for c in range(5)]
     shared = turns[0][:4]
     replicas = [ServeStandIn(f"g{k:02d}", stats(1, (7 * k) % 60, cached_block_hashes=shared))
-                for k in range(30)]
+                for k in range(num_groups)]
     serve.update(replicas)
     assert (serve.router._fleet_cache.native is not None) == (ranking == "c")
+    uniform = ranking == "c" or num_groups >= 24
     rng = random.Random(0)
     decided = []
     for i in range(40):
@@ -135,7 +138,7 @@ def test_a_large_uniform_fleet_is_ranked_as_rank_groups_ranks_it(ranking, serve)
         expected = _ranked_by_rank_groups(serve.router, pending)
         assert serve.choose(pending) == expected
         placements = serve.router._pending[f"r{i}"].placements
-        assert isinstance(placements, UniformRanking)
+        assert isinstance(placements, UniformRanking) == uniform
         decided.append((placements, list(placements)))
         if i % 2:  # every other request is still routing when the next ones are decided
             # and some go to the second choice (the first was full): the charge moves there

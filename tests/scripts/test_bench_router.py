@@ -8,13 +8,29 @@ from bench_scripts import load_script, run_script
 
 
 def test_times_both_routers_hot_and_cold_and_ends_with_json():
-    result = run_script("bench_router", "--groups", "2,3", "--decisions", "20", timeout=120)
+    result = run_script("bench_router", "--groups", "2,30", "--decisions", "20", timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
-    for groups in (2, 3):
+    for groups in (2, 30):
         for mode in ("hot", "cold"):
-            assert figures[f"kv_us_p50_{mode}_{groups}"] > 0
-            assert figures[f"pow2_us_p50_{mode}_{groups}"] > 0
+            for router in ("kv", "kv_python", "pow2"):
+                assert figures[f"{router}_us_p50_{mode}_{groups}"] > 0
+
+
+def test_the_python_column_times_the_router_without_its_c_ranking():
+    bench = load_script("bench_router")
+    import asyncio
+    import random
+
+    rng = random.Random(0)
+    replicas = bench.fleet(30, bench.conversations(rng), rng)
+    loop = asyncio.new_event_loop()
+    try:
+        for kind, native in (("kv", True), ("kv_python", False)):
+            router = bench.make_router(kind, replicas, loop)
+            assert (router._fleet_cache.native is not None) == native
+    finally:
+        loop.close()
 
 
 def test_the_kv_router_places_by_prefix_in_the_timed_fleet():
