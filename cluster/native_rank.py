@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "native_rank.c"
+HEADERS = (SOURCE.with_name("prefix_table.h"),)  # the prefix index's C mirror
 MODULE_NAME = "tpserve_native_rank"  # PyInit_ in the source
 SWITCH_ENV = "TPSERVE_NATIVE_ROUTER"
 MAX_GROUPS = 64  # a fleet's bits must fit one 64-bit mask
@@ -58,7 +59,7 @@ def load() -> Optional[ModuleType]:
         logger.info("router: %s=0, uniform fleets rank in Python", SWITCH_ENV)
         return None
     try:
-        path = build_shared(SOURCE, compile_flags(), ("-shared",))
+        path = build_shared(SOURCE, compile_flags(), ("-shared",), headers=HEADERS)
         loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
         spec = importlib.util.spec_from_file_location(MODULE_NAME, path, loader=loader)
         assert spec is not None

@@ -34,15 +34,16 @@ class KernelBuildError(RuntimeError):
 
 def build_shared(source_path: Path, compile_flags: Sequence[str], link_flags: Sequence[str],
                  link_libraries: Sequence[Sequence[str]] = ((),),
-                 cache_dir: Optional[Path] = None) -> Path:
-    """The compiled library's path, compiling it unless a build for this source, these flags,
-    compiler and CPU is cached. Raises `KernelBuildError` naming the command and its error."""
+                 cache_dir: Optional[Path] = None, headers: Sequence[Path] = ()) -> Path:
+    """The compiled library's path, compiling it unless a build for this source (and the
+    ``headers`` it includes), these flags, compiler and CPU is cached. Raises `KernelBuildError`
+    naming the command and its error."""
     compiler = os.environ.get("CC", "cc")
     compiler_path = shutil.which(compiler)
     if compiler_path is None:
         raise KernelBuildError(f"no C compiler: {compiler!r} (from $CC, default cc) is not on "
                                "PATH")
-    source = source_path.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in (source_path, *headers))
     flags = " ".join([*compile_flags, *link_flags]).encode()
     key = hashlib.sha256(b"\0".join([source, flags, compiler_path.encode(),
                                      cpu_signature().encode()]))
