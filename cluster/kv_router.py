@@ -20,7 +20,8 @@ accepts ``num_tokens``, ``block_hashes`` and ``block_size``. Its ``record_routin
 
     {"seq": int, "time": float (the group's clock, for people only), "kv_blocks_used": int,
      "kv_blocks_total": int, "block_size": int, "waiting_tokens": int,
-     "cached_block_hashes": list[int] (most recently used first),
+     "cached_block_hashes": list[int] (the pool's, most recently used first, then those only
+     its host tier holds: a copy brings them back),
      "accepted_ids": list[str] (Serve's internal ids of the requests accepted lately)}
 
 where ``kv_blocks_used`` and ``waiting_tokens`` cover every request in ``accepted_ids`` (also one

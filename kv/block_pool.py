@@ -139,6 +139,9 @@ class BlockPool:
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
 
+    def is_cached(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._cached
+
     def cached_hashes(self, limit: int) -> List[BlockHash]:
         """Up to ``limit`` hashes in the prefix cache, most recently cached or hit first.
         O(limit)."""

@@ -191,6 +191,23 @@ class KVCacheManager:
         if self.tiers is not None:
             self.tiers.on_release(released)
 
+    def cached_hashes(self, limit: int) -> List[BlockHash]:
+        """Up to ``limit`` block hashes a prefix lookup finds without recomputing: this pool's
+        (most recently cached or hit first), then those only the host tier holds (most recently
+        written there first), which a lookup restores by a copy. The disk tier's are left out: a
+        read from disk can take longer than computing the tokens again. O(limit) plus the host
+        entries the pool also holds."""
+        hashes = self.pool.cached_hashes(limit)
+        if self.tiers is None or len(hashes) >= limit:
+            return hashes
+        on_device = self.pool.is_cached
+        for block_hash in self.tiers.host.recent_hashes():
+            if not on_device(block_hash):
+                hashes.append(block_hash)
+                if len(hashes) == limit:
+                    break
+        return hashes
+
     def blocks(self, key: Hashable) -> List[Block]:
         """``key``'s table; after ``free_leading_blocks`` its first entries are stale."""
         return list(self._tables.get(key, ()))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from kv.eviction import EvictionPolicy
 from kv.prefix_hash import BlockHash
@@ -53,6 +53,11 @@ class TierIndex:
         if entry is None or entry.token_ids != tuple(token_ids):
             return None
         return entry
+
+    def recent_hashes(self) -> Iterator[BlockHash]:
+        """Every indexed hash, the most recently indexed first (a spill or a disk read indexes
+        the entry whose slot it fills). Lazy: take what you need."""
+        return reversed(self.entries)
 
     def can_take(self) -> bool:
         """Whether ``take_slot`` succeeds (a free slot, or an indexed entry to evict)."""

@@ -46,7 +46,7 @@ class EngineLoad:
     num_running: int
     num_waiting: int
     num_waiting_tokens: int  # tokens to compute without a block yet (uncomputed_tokens + queued)
-    cached_block_hashes: Tuple[int, ...]  # most recently used first
+    cached_block_hashes: Tuple[int, ...]  # the pool's, most recently used first; then the host's
     accepted_ids: Tuple[str, ...] = ()  # routing ids accepted lately, all counted above
 
 
@@ -242,6 +242,6 @@ class AsyncLLMEngine:
             # A request loading its prefix from host or disk holds blocks and runs next: running.
             num_running=len(sched.running) + len(sched.loading), num_waiting=len(sched.waiting),
             num_waiting_tokens=queued_tokens + uncomputed_tokens(sched),
-            cached_block_hashes=tuple(sched.kv.pool.cached_hashes(self._max_cached_hashes)),
+            cached_block_hashes=tuple(sched.kv.cached_hashes(self._max_cached_hashes)),
             accepted_ids=accepted_ids,
         )

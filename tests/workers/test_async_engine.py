@@ -137,3 +137,35 @@ def test_an_idle_engine_waits_for_held_back_spills_instead_of_stepping(tiny_llam
         assert counts["empty"] < 200, counts
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("host_kv_blocks", [None, 64])
+def test_a_report_lists_prefix_blocks_the_host_tier_holds(tiny_llama, host_kv_blocks):
+    """A prefix the device pool evicted but its host tier holds is restored by a copy, not
+    recomputed: the report must keep listing it, or the router sends the next turn of a
+    conversation elsewhere to compute it all again. Without a host tier, it drops out."""
+    config = EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=16,
+                          host_kv_blocks=host_kv_blocks)
+    eng = AsyncLLMEngine(lambda: LLMEngine(config))
+
+    async def run(prompt, request_id):
+        return await collect(eng, prompt, request_id, max_tokens=1, temperature=0.0)
+
+    try:
+        asyncio.run(run(list(range(100, 120)), "first"))
+        first = set(eng._snapshot_load().cached_block_hashes)
+        assert len(first) >= 4  # its full prompt blocks, cached on the device
+        for i in range(4):  # each fills most of the pool: the first prompt's blocks are evicted
+            asyncio.run(run([200 + i] * 56, f"filler{i}"))
+        load = eng._snapshot_load()
+        device = set(eng.engine.scheduler.kv.pool.cached_hashes(1 << 20))
+    finally:
+        eng.shutdown()
+    assert not first & device
+    if host_kv_blocks is None:
+        assert not first & set(load.cached_block_hashes)
+    else:
+        assert first <= set(load.cached_block_hashes)
+        # The device's blocks come first (most recently used first), then the host's.
+        assert list(load.cached_block_hashes[:len(device)]) == \
+            eng.engine.scheduler.kv.pool.cached_hashes(len(device))

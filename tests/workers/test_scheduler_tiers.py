@@ -230,3 +230,20 @@ def test_a_step_that_restores_waits_for_its_restores_only_not_the_spills_of_rele
     assert [type(op) for op in step.plan.tier_ops] == [Spill] * 3  # queued behind, not waited
     assert {s.seq_id for s in step.plan.seqs} == {b.seq_id, c.seq_id}
     assert b.num_computed_tokens == 8
+
+
+def test_cached_hashes_list_the_pools_then_only_the_hosts_up_to_the_limit():
+    """What a group reports as cached: the pool's hashes first, then the host tier's that the
+    pool no longer holds (write-through puts the pool's own blocks on host too: listed once)."""
+    h = Harness(num_blocks=4)
+    h.send_to_host([10, 11, 12, 13, 14], num_filler_tokens=7)  # 2 blocks, then 3 of filler
+    kv = h.kv
+    device = kv.pool.cached_hashes(100)
+    host_only = [x for x in kv.tiers.host.recent_hashes() if x not in device]
+    assert len(host_only) == 2 and len(device) >= 1  # the first prompt's blocks: host only
+    listed = kv.cached_hashes(100)
+    assert listed == device + host_only and len(set(listed)) == len(listed)
+    assert kv.cached_hashes(len(device) + 1) == device + host_only[:1]
+    assert kv.cached_hashes(1) == device[:1]
+    kv.tiers = None
+    assert kv.cached_hashes(100) == device
