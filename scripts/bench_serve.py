@@ -27,7 +27,8 @@ content; ``traces.py`` reads both):
 KV pressure: ``--kv-blocks auto`` (the default) sizes each group's pool so that the working set
 (every distinct full prompt block once, plus each request's own partial and output blocks) is
 ``--kv-pressure`` (3.0) times one group's pool: two groups together hold two thirds of it if
-each keeps its own prefixes, a third if both must hold all of them. Near saturation: ``--rate auto`` (the
+each keeps its own prefixes, a third if both must hold all of them. ``--host-kv-blocks N`` gives
+each group a host tier of N blocks below its pool (none by default). Near saturation: ``--rate auto`` (the
 default) first runs a sample of the requests (``--calibration-requests``) all at once through a
 separate deployment (power of two choices), takes requests done / time as what the groups
 sustain, and sets the Poisson rate to ``--load`` (0.9) of it; both are printed. ``--target``
@@ -166,6 +167,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--kv-pressure", type=float, default=3.0,
                    help="--kv-blocks auto: working set / one group's pool")
     p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--host-kv-blocks", type=int, default=0,
+                   help="each group's host KV tier, in blocks (0: none): blocks the pool "
+                        "evicts are copied back from there instead of recomputed")
     p.add_argument("--routers", default=",".join(ROUTERS),
                    help=f"comma-separated, of {', '.join(ROUTERS + OPTIONAL_ROUTERS)}")
     p.add_argument("--target", default="0.7",
@@ -190,9 +194,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     args.kv_blocks = _auto_or(p, "--kv-blocks", args.kv_blocks, int)
     if (args.rate is not None and args.rate <= 0) or args.time_scale <= 0 or args.load <= 0:
         p.error("--rate, --time-scale and --load must be positive")
-    if args.groups < 1 or args.system_prompt_blocks < 0 or args.kv_pressure <= 0:
-        p.error("--groups must be at least 1, --system-prompt-blocks at least 0, "
-                "--kv-pressure positive")
+    if (args.groups < 1 or args.system_prompt_blocks < 0 or args.kv_pressure <= 0
+            or args.host_kv_blocks < 0):
+        p.error("--groups must be at least 1, --system-prompt-blocks and --host-kv-blocks at "
+                "least 0, --kv-pressure positive")
     args.routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     if not args.routers or set(args.routers) - set(ROUTERS + OPTIONAL_ROUTERS):
         p.error(f"--routers takes a comma-separated list of "
@@ -260,6 +265,7 @@ def prepare(args: argparse.Namespace) -> Workload:
         "model": model_dir.name, "dtype": "float32 on CPU" if engine_is_cpu() else
         "checkpoint dtype on CUDA", "tp": args.tp, "groups": args.groups,
         "kv_blocks": kv_blocks, "kv_blocks_why": why, "block_size": args.block_size,
+        "host_kv_blocks": args.host_kv_blocks,
         "working_set_over_pool": round(figures["working_set_blocks"] / kv_blocks, 2),
         "prompt_scale": args.prompt_scale, "max_output": args.max_output,
         "arrival": args.arrival, "load": args.load if args.rate is None else None, **figures,
@@ -272,7 +278,8 @@ def serve_config(args: argparse.Namespace, work: Workload, target: float) -> Any
     from workers.config import EngineConfig
 
     engine = EngineConfig(model=str(work.model_dir), tp_size=args.tp, block_size=args.block_size,
-                          num_kv_blocks=work.meta["kv_blocks"], seed=args.seed)
+                          num_kv_blocks=work.meta["kv_blocks"], seed=args.seed,
+                          host_kv_blocks=args.host_kv_blocks or None)
     return ServeConfig(engine=engine, min_groups=args.groups, max_groups=args.groups,
                        served_model_name=work.model_dir.name, kv_target_occupancy=target)
 

@@ -168,9 +168,15 @@ def print_header(meta: Dict[str, Any]) -> None:
           f"tokens in all")
     print(f"model {meta['model']} ({meta['dtype']}), {meta['groups']} groups x TP {meta['tp']}, "
           f"KV pool {meta['kv_blocks']} blocks x {meta['block_size']} tokens per group "
-          f"({meta['kv_blocks_why']}); working set {meta['working_set_blocks']} blocks = "
+          f"({meta['kv_blocks_why']}{host_tier(meta)}); working set "
+          f"{meta['working_set_blocks']} blocks = "
           f"{meta['working_set_over_pool']} x one group's pool; prefix hit rate at best "
           f"{meta['ideal_prefix_hit_rate']} (one endless pool, one request at a time)\n")
+
+
+def host_tier(meta: Dict[str, Any]) -> str:
+    blocks = meta.get("host_kv_blocks")
+    return f", and a host tier of {blocks} blocks" if blocks else ""
 
 
 def print_router_lines(meta: Dict[str, Any], checks: Dict[str, Optional[bool]]) -> None:

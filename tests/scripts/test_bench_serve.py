@@ -253,6 +253,15 @@ def test_rate_and_sizes_take_auto_or_a_number(bench):
             bench.parse_args(bad)
 
 
+def test_host_tier_reaches_every_groups_engine(bench, tiny_llama):
+    work = bench.Workload([], {"kv_blocks": 32}, 100, tiny_llama)
+    args = bench.parse_args(["--host-kv-blocks", "64"])
+    assert bench.serve_config(args, work, 0.7).engine.host_kv_blocks == 64
+    assert bench.serve_config(bench.parse_args([]), work, 0.7).engine.host_kv_blocks is None
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--host-kv-blocks", "-1"])
+
+
 def fake_summary(ttft_p99, throughput, hit_rate, preemptions):
     return {"ttft_p99_ms": ttft_p99, "throughput_tok_s": throughput,
             "prefix_hit_rate": hit_rate, "preemptions": preemptions}
