@@ -160,7 +160,7 @@ def rank_uniform(
             occupancy = (committed[i] + num_blocks - held) / total
             if highest < occupancy <= target:
                 highest = occupancy
-    per_block = prefix_weight / num_hashes if num_hashes else 0.0
+    per_block = prefix_weight / (num_hashes - base) if num_hashes > base else 0.0
     per_occupancy = load_weight / highest if highest > 0 else 0.0
 
     def key(i: int, held: int) -> Tuple[int, float, float, str]:  # rank_groups' sort key

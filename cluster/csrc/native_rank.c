@@ -211,7 +211,7 @@ static void merge(const State *s, const long *rest, long n, const long *pidx, co
             if (highest < occupancy && occupancy <= s->target) highest = occupancy;
         }
     }
-    per_block = num_hashes ? s->prefix_weight / (double)num_hashes : 0.0;
+    per_block = num_hashes > base ? s->prefix_weight / (double)(num_hashes - base) : 0.0;
     per_occupancy = highest > 0 ? s->load_weight / highest : 0.0;
     for (int j = 0; j < np; j++) {  /* insertion sort of the longer-prefix groups by key */
         int at = j;

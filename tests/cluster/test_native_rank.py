@@ -84,9 +84,10 @@ def cases(draw):
              for c in range(4)]
     total = draw(st.sampled_from([16, 100, 512]))
     extra = draw(st.integers(0, 3))  # groups in the index, not in the fleet: all bits < 2**64
+    everywhere = draw(st.booleans())  # every group holds the system prompt: the base is > 0
     groups = []
     for _ in range(draw(st.integers(1, 64 - extra))):
-        cached = []
+        cached = convs[0][:len(system) // BS] if everywhere else []
         for _ in range(draw(st.integers(0, 2))):
             conv = draw(st.sampled_from(convs))
             start = draw(st.sampled_from([0, 0, 0, 1, 3]))  # mostly a prefix, not always
@@ -124,6 +125,21 @@ def test_the_c_ranking_equals_prefix_split_then_rank_uniform(module, case, targe
     if order:  # the router's charge for the first choice, as _PendingDecision.tokens_on has it
         cached = expected.cached_blocks_of(fleet.loads[order[0]].group_id)
         assert first_tokens == max(0, num_tokens - cached * block_size)
+
+
+def test_a_next_turn_stays_with_its_history_when_every_group_holds_the_system_prompt(module):
+    # test_placement_score's case of the same name, through the C call: the prefix score counts
+    # the blocks past the base (8 here, the system prompt), so "home" (17 blocks, busy) ranks
+    # before the idle group holding the system prompt only.
+    system = list(range(8 * BS))
+    turn = extend_block_hashes([], system + list(range(1000, 1000 + 9 * BS)), BS)
+    index = PrefixIndex(module)
+    fleet = build_fleet([(60, 100, turn, 0, 0), (0, 100, turn[:8], 0, 0)], index)
+    state = native_rank.fleet_state(index, fleet, RouterSettings())
+    _, order, _, prefix, base, *_ = module.rank(state, turn, 17 * BS + 8, BS)
+    assert (order, prefix, base) == ([0, 1], {0: 17}, 8)
+    expected = python_rank(index, fleet, turn, 17 * BS + 8, BS, RouterSettings())
+    assert order == expected.order
 
 
 def test_a_fleet_over_64_groups_or_bits_is_left_to_python(module):

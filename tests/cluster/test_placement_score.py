@@ -50,6 +50,26 @@ def test_a_shared_system_prompt_does_not_pull_every_request_to_one_group():
     assert ids(rank_groups(demand(8 * BS, next_turn), [warm, idle])) == ["warm", "idle"]
 
 
+def test_a_next_turn_stays_with_its_history_when_every_group_holds_the_system_prompt():
+    # Both groups hold the shared 8-block system prompt; "home" also holds the conversation's
+    # 9 blocks of history and is busy (projected occupancy 0.61 against 0.10). Over the whole
+    # request the prefix score gives home 3 x 17/17 = 3 and "idle" 3 x 8/17 = 1.41 + load
+    # 2 x (1 - 0.10 / 0.61) = 1.67, so 3.08, and the turn would lose its history for load. The
+    # system prompt tells the groups apart in nothing: over the other 9 blocks home scores
+    # 3 x 9/9 = 3 and idle 0 + 1.67.
+    system = list(range(8 * BS))
+    history = list(range(1000, 1000 + 9 * BS))
+    turn = extend_block_hashes([], system + history, BS)
+    home = load("home", 60, cached=turn)
+    idle = load("idle", 0, cached=turn[:8])
+    placements = rank_groups(demand(17 * BS + 8, turn), [home, idle])
+    assert [(p.group_id, p.cached_prefix_blocks) for p in placements] == [("home", 17),
+                                                                          ("idle", 8)]
+    # A new conversation (the system prompt only) goes by load alone.
+    new = extend_block_hashes([], system + list(range(5000, 5000 + 9 * BS)), BS)
+    assert ids(rank_groups(demand(17 * BS + 8, new), [home, idle])) == ["idle", "home"]
+
+
 def test_negative_weights_are_refused():
     with pytest.raises(ValueError, match="must not be negative"):
         rank_groups(demand(BS), [load("a", 0)], load_weight=-1.0)
