@@ -59,6 +59,7 @@ class BlockPool:
         # By recency of use (a hit moves a hash to the end), so a report of the latest hashes
         # keeps a hot prefix however long ago it was first cached.
         self._cached: "OrderedDict[BlockHash, Block]" = OrderedDict()
+        self.is_cached: Callable[[BlockHash], bool] = self._cached.__contains__  # C-level
         self.num_evicted = 0
         self.num_held_evicted = 0  # hot (held) cached blocks, evicted as a last resort
         # Called with a cached block about to be reused, before it loses its hash (the tiers
@@ -138,9 +139,6 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
-
-    def is_cached(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._cached
 
     def cached_hashes(self, limit: int) -> List[BlockHash]:
         """Up to ``limit`` hashes in the prefix cache, most recently cached or hit first.

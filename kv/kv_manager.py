@@ -14,6 +14,7 @@ the block now) and are never freed, cached or read for this request again.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import filterfalse, islice
 from typing import Dict, Hashable, List, Optional, Sequence
 
 from kv.block_pool import Block, BlockPool
@@ -195,17 +196,13 @@ class KVCacheManager:
         """Up to ``limit`` block hashes a prefix lookup finds without recomputing: this pool's
         (most recently cached or hit first), then those only the host tier holds (most recently
         written there first), which a lookup restores by a copy. The disk tier's are left out: a
-        read from disk can take longer than computing the tokens again. O(limit) plus the host
-        entries the pool also holds."""
+        read from disk can take longer than computing the tokens again. O(limit): the host
+        entries passed over are the pool's own, fewer than ``limit`` when the host is read."""
         hashes = self.pool.cached_hashes(limit)
-        if self.tiers is None or len(hashes) >= limit:
-            return hashes
-        on_device = self.pool.is_cached
-        for block_hash in self.tiers.host.recent_hashes():
-            if not on_device(block_hash):
-                hashes.append(block_hash)
-                if len(hashes) == limit:
-                    break
+        if self.tiers is not None and len(hashes) < limit:
+            # C-level iteration: this runs after every engine step.
+            host_only = filterfalse(self.pool.is_cached, self.tiers.host.recent_hashes())
+            hashes += islice(host_only, limit - len(hashes))
         return hashes
 
     def blocks(self, key: Hashable) -> List[Block]:
