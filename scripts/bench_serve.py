@@ -34,7 +34,10 @@ separate deployment (power of two choices), takes requests done / time as what t
 sustain, and sets the Poisson rate to ``--load`` (0.9) of it; both are printed. ``--target``
 with several values (``0.5,0.6,0.7,0.8,0.9``) sweeps the occupancy target of each KV-aware router
 in ``--routers`` on the same requests, runs the others once, and plots TTFT p99 and throughput
-against the target, the others as flat lines (``--plot-out``).
+against the target, the others as flat lines (``--plot-out``). ``--repeat N`` replays every
+router N times, the arrivals reseeded and the order rotated each round, and reports the rounds
+pooled and one by one (``serve_rounds.py``: one 200-request run's TTFT p99 is its second-slowest
+request).
 
 Per router: throughput (output tokens of successful requests over first send to last response),
 TTFT p50/p99, ITL p99, preemptions, prefix-cache hit rate and each group's peak and mean KV
@@ -59,7 +62,6 @@ import argparse
 import dataclasses
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -77,9 +79,12 @@ from host_load import cpu_snapshot, load_average, other_cpu_frac  # noqa: E402,F
 from serve_cluster import Endpoint, local_serve, run_router  # noqa: E402
 from serve_replay import (RequestResult, RunResult, log,  # noqa: E402,F401
                           parse_group_metrics)
-from serve_report import (flat_json, json_suffix, percentile, plot_sweep,  # noqa: E402,F401
-                          print_header, print_router_lines, print_table, router_figures,
-                          run_label, summarize, sweep_json, target_checks)
+from serve_rounds import (plot_ttft, pool_runs, print_rounds, round_orders,  # noqa: E402,F401
+                          rounds_json)
+from serve_report import (finish_sweep, flat_json, json_suffix, percentile,  # noqa: E402,F401
+                          plot_sweep, print_header, print_router_lines, print_table,
+                          router_figures, run_label, summarize, sweep_json, target_checks,
+                          time_rank_groups)
 from serve_workload import (BenchRequest, Scaling, arrival_times,  # noqa: E402,F401
                             auto_kv_blocks, build_workload, calibration_sample, ideal_hit_rate,
                             longest_request_blocks, poisson_rate, sustained_rate, with_rate,
@@ -92,42 +97,7 @@ ROUTERS = ("kv", "pow2", "prefix_affinity", "round_robin")
 OPTIONAL_ROUTERS = ("kv_strict", "kv_queue", "kv_headroom")  # KV-aware variants (cluster/app.py)
 SWEPT_ROUTERS = ("kv",) + OPTIONAL_ROUTERS  # the routers that take the occupancy target
 DEFAULT_PLOT = "/tmp/tpserve_bench_serve_sweep.png"
-
-
-# ----- the placement policy timed in this process -----
-
-
-def time_rank_groups(num_groups: int, num_calls: int = 2000, seed: int = 0) -> float:
-    """p50 microseconds of `cluster.placement.rank_groups` over realistic synthetic loads: pools
-    of 512 blocks 10-90% used, 2048 cached hashes per group, a 16-block request whose prefix a
-    few groups hold, found as the router finds it (one `PrefixIndex` walk, timed too)."""
-    from cluster.placement import GroupLoad, RequestDemand, rank_groups
-    from cluster.prefix_index import PrefixIndex
-
-    rng = random.Random(seed)
-    demand = RequestDemand(256, tuple(rng.getrandbits(63) for _ in range(16)), 16)
-    loads = []
-    for g in range(num_groups):
-        cached = {rng.getrandbits(63) for _ in range(2048)}
-        if g % 8 == 0:
-            cached.update(demand.block_hashes[:rng.randrange(1, 16)])
-        loads.append(GroupLoad(f"group-{g}", rng.randrange(51, 461), 512, 16, rng.randrange(512),
-                               frozenset(cached), 1, rng.random(), rng.randrange(256)))
-    index = PrefixIndex()
-    for group_load in loads:
-        index.add(index.add_group(group_load.group_id), group_load.cached_block_hashes)
-
-    def rank() -> None:
-        rank_groups(demand, loads, cached_prefix=index.prefix_blocks(demand.block_hashes))
-
-    for _ in range(num_calls // 10):  # warm caches before timing
-        rank()
-    times = []
-    for _ in range(num_calls):
-        begin = time.perf_counter_ns()
-        rank()
-        times.append((time.perf_counter_ns() - begin) / 1000)
-    return round(percentile(times, 50), 2)
+DEFAULT_ROUNDS_PLOT = "/tmp/tpserve_bench_serve_ttft.png"
 
 
 # ----- arguments -----
@@ -175,7 +145,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--target", default="0.7",
                    help="the KV-aware router's occupancy target; several (0.5,0.6,...): a "
                         "sweep of each KV-aware router named, the others run once")
-    p.add_argument("--plot-out", default=DEFAULT_PLOT, help="the sweep's PNG")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds: each router replays the requests this many times, arrivals "
+                        "reseeded and the order rotated each round; figures pooled")
+    p.add_argument("--plot-out", default=None,
+                   help=f"the sweep's PNG ({DEFAULT_PLOT}), or with --repeat the pooled TTFT "
+                        f"distributions' ({DEFAULT_ROUNDS_PLOT})")
     p.add_argument("--num-cpus", type=int, default=os.cpu_count() or 1)
     p.add_argument("--max-duration-s", type=float, default=240.0,
                    help="per run: arrivals after this are not sent (and counted)")
@@ -211,6 +186,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     if len(args.targets) > 1 and not set(args.routers) & set(SWEPT_ROUTERS):
         p.error(f"--target with several values sweeps a KV-aware router; --routers names none "
                 f"of {', '.join(SWEPT_ROUTERS)}")
+    if args.repeat < 1 or (args.repeat > 1 and len(args.targets) > 1):
+        p.error(f"--repeat takes a count of at least 1, and one --target value (rounds of a "
+                f"sweep are not supported), got --repeat {args.repeat} --target {args.target}")
+    if args.plot_out is None:
+        args.plot_out = DEFAULT_ROUNDS_PLOT if args.repeat > 1 else DEFAULT_PLOT
     if args.calibration_requests is None:
         args.calibration_requests = max(8, args.num_requests // 4)
     return args
@@ -234,6 +214,7 @@ class Workload:
     meta: Dict[str, Any]
     vocab_size: int
     model_dir: Path
+    rate_req_s: Optional[float] = None  # Poisson arrivals (None: the trace's times)
 
 
 def prepare(args: argparse.Namespace) -> Workload:
@@ -293,6 +274,7 @@ def set_arrivals(args: argparse.Namespace, work: Workload, endpoint: Endpoint) -
     else:
         rate = args.rate or poisson_rate(calibrate(args, work, endpoint), args.load)
         work.requests = with_rate(work.requests, rate, args.seed)
+        work.rate_req_s = rate
         meta["rate_req_s"] = round(rate, 3)
         meta["arrival_desc"] = f"Poisson {rate:.3f} req/s"
         if args.rate is None:
@@ -324,18 +306,35 @@ def calibrate(args: argparse.Namespace, work: Workload, endpoint: Endpoint) -> f
 RunKey = Tuple[str, Optional[float]]  # (router, its --target in a sweep; None: not swept)
 
 
-def run_routers(args: argparse.Namespace, work: Workload,
-                endpoint: Endpoint) -> Dict[RunKey, RunResult]:
-    """Each router of --routers, one after another, on the same requests; with several --target
-    values, each KV-aware one at every target (the sweep) and the others once (its baselines)."""
+def run_routers(args: argparse.Namespace, work: Workload, endpoint: Endpoint,
+                order: Optional[Sequence[str]] = None, requests: Optional[List[BenchRequest]] = None,
+                round_tag: str = "") -> Dict[RunKey, RunResult]:
+    """Each router of --routers (in ``order``), one after another, on the same requests; with
+    several --target values, each KV-aware one at every target (the sweep) and the others once
+    (its baselines)."""
     sweep = len(args.targets) > 1
     runs: Dict[RunKey, RunResult] = {}
-    for router in args.routers:
+    for router in order or args.routers:
         for target in (args.targets if sweep and router in SWEPT_ROUTERS else [None]):
             config = serve_config(args, work, args.targets[0] if target is None else target)
-            runs[(router, target)] = run_router(router, config, endpoint, work.requests,
-                                                label=run_label(router, target))
-    return runs
+            runs[(router, target)] = run_router(router, config, endpoint,
+                                                requests or work.requests,
+                                                label=run_label(router, target) + round_tag)
+    return {key: runs[key] for key in sorted(runs, key=lambda k: args.routers.index(k[0]))}
+
+
+def run_rounds(args: argparse.Namespace, work: Workload,
+               endpoint: Endpoint) -> List[Dict[RunKey, RunResult]]:
+    """--repeat: every router once a round; round i's order is --routers rotated by i and its
+    Poisson arrivals are seeded --seed + i (round 0's are the single run's)."""
+    rounds = []
+    for i, order in enumerate(round_orders(args.routers, args.repeat)):
+        requests = work.requests
+        if i and work.rate_req_s is not None:
+            requests = with_rate(work.requests, work.rate_req_s, args.seed + i)
+        rounds.append(run_routers(args, work, endpoint, order, requests,
+                                  round_tag=f", round {i + 1}/{args.repeat}"))
+    return rounds
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -347,7 +346,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         endpoint = Endpoint(port, work.model_dir.name, work.vocab_size, 2 * args.groups,
                             args.max_duration_s, args.drain_timeout_s, args.request_timeout_s)
         set_arrivals(args, work, endpoint)
-        runs = run_routers(args, work, endpoint)
+        rounds = run_rounds(args, work, endpoint) if args.repeat > 1 else []
+        runs = ({key: pool_runs([r[key] for r in rounds]) for key in rounds[0]} if rounds
+                else run_routers(args, work, endpoint))
     summary = {key: summarize(run) for key, run in runs.items()}
     first = args.targets[0]
     kv_run = runs.get(("kv", None)) or runs.get(("kv", first))
@@ -361,26 +362,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print_router_lines(meta, checks)
     out = {**flat_json(headline, meta), **checks}
     if len(args.targets) > 1:
-        out.update(finish_sweep(args, summary, meta))
+        out.update(finish_sweep(args.targets, args.routers, summary, meta, args.plot_out))
+    if rounds:
+        out.update(finish_rounds(args, rounds, runs, meta))
     out["wall_s"] = round(time.perf_counter() - wall_start, 1)
     print(json.dumps(out), flush=True)
     return 0
 
 
-def finish_sweep(args: argparse.Namespace, summary: Dict[RunKey, Dict[str, Any]],
-                 meta: Dict[str, Any]) -> Dict[str, Any]:
-    """The swept routers' figures by target, and the plot (the other routers: flat lines)."""
-    swept = {router: [summary[(router, t)] for t in args.targets]
-             for router in args.routers if (router, args.targets[0]) in summary}
-    baselines = {router: s for (router, target), s in summary.items() if target is None}
-    title = (f"{meta['num_requests']} requests, {meta['arrival_desc']}, "
+def finish_rounds(args: argparse.Namespace, rounds: List[Dict[RunKey, RunResult]],
+                  pooled: Dict[RunKey, RunResult], meta: Dict[str, Any]) -> Dict[str, Any]:
+    """--repeat: each round's figures and targets, and the pooled TTFT distributions' plot."""
+    by_round = [{router: summarize(run) for (router, _), run in r.items()} for r in rounds]
+    checks = [target_checks(s) for s in by_round]
+    print_rounds(round_orders(args.routers, args.repeat), by_round, checks)
+    title = (f"{meta['num_requests']} requests x {len(rounds)} rounds, {meta['arrival_desc']}, "
              f"{meta['groups']} groups x {meta['kv_blocks']} blocks")
-    plot_sweep(args.targets, swept, baselines, args.plot_out, title)
+    plot_ttft({router: run for (router, _), run in pooled.items()}, args.plot_out, title)
     print(f"plot: {args.plot_out}")
-    out: Dict[str, Any] = {"plot": args.plot_out}
-    for router, summaries in swept.items():
-        out.update(sweep_json(args.targets, summaries, json_suffix(router)))
-    return out
+    return {**rounds_json(by_round, checks), "plot": args.plot_out}
 
 
 def engine_is_cpu() -> bool:

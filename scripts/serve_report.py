@@ -3,7 +3,9 @@ JSON line, and the occupancy-target sweep's table and plot."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+import random
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from serve_replay import RunResult
 
@@ -82,6 +84,39 @@ def group_figures(run: RunResult) -> Dict[str, Any]:
         "preemptions": int(total("num_preemptions")),
         "prefix_hit_rate": round(total("prefix_cache_hits") / queries, 3) if queries else None,
     }
+
+
+def time_rank_groups(num_groups: int, num_calls: int = 2000, seed: int = 0) -> float:
+    """p50 microseconds of `cluster.placement.rank_groups` over realistic synthetic loads: pools
+    of 512 blocks 10-90% used, 2048 cached hashes per group, a 16-block request whose prefix a
+    few groups hold, found as the router finds it (one `PrefixIndex` walk, timed too)."""
+    from cluster.placement import GroupLoad, RequestDemand, rank_groups
+    from cluster.prefix_index import PrefixIndex
+
+    rng = random.Random(seed)
+    demand = RequestDemand(256, tuple(rng.getrandbits(63) for _ in range(16)), 16)
+    loads = []
+    for g in range(num_groups):
+        cached = {rng.getrandbits(63) for _ in range(2048)}
+        if g % 8 == 0:
+            cached.update(demand.block_hashes[:rng.randrange(1, 16)])
+        loads.append(GroupLoad(f"group-{g}", rng.randrange(51, 461), 512, 16, rng.randrange(512),
+                               frozenset(cached), 1, rng.random(), rng.randrange(256)))
+    index = PrefixIndex()
+    for group_load in loads:
+        index.add(index.add_group(group_load.group_id), group_load.cached_block_hashes)
+
+    def rank() -> None:
+        rank_groups(demand, loads, cached_prefix=index.prefix_blocks(demand.block_hashes))
+
+    for _ in range(num_calls // 10):  # warm caches before timing
+        rank()
+    times = []
+    for _ in range(num_calls):
+        begin = time.perf_counter_ns()
+        rank()
+        times.append((time.perf_counter_ns() - begin) / 1000)
+    return round(percentile(times, 50), 2)
 
 
 # ----- targets -----
@@ -237,6 +272,24 @@ def sweep_json(targets: Sequence[float], summaries: List[Dict[str, Any]],
     out: Dict[str, Any] = {"sweep_targets": list(targets)}
     for key in SWEEP_KEYS:
         out[f"{key}_by_target{suffix}"] = [s[key] for s in summaries]
+    return out
+
+
+def finish_sweep(targets: Sequence[float], routers: Sequence[str],
+                 summary: Dict[Tuple[str, Optional[float]], Dict[str, Any]],
+                 meta: Dict[str, Any], plot_out: str) -> Dict[str, Any]:
+    """The swept routers' figures by target, and the plot (the other routers: flat lines).
+    ``summary`` is keyed by (router, target), target None for a router run once."""
+    swept = {router: [summary[(router, t)] for t in targets]
+             for router in routers if (router, targets[0]) in summary}
+    baselines = {router: s for (router, target), s in summary.items() if target is None}
+    title = (f"{meta['num_requests']} requests, {meta['arrival_desc']}, "
+             f"{meta['groups']} groups x {meta['kv_blocks']} blocks")
+    plot_sweep(targets, swept, baselines, plot_out, title)
+    print(f"plot: {plot_out}")
+    out: Dict[str, Any] = {"plot": plot_out}
+    for router, summaries in swept.items():
+        out.update(sweep_json(targets, summaries, json_suffix(router)))
     return out
 
 

@@ -93,6 +93,35 @@ def test_four_routers_rate_auto_and_a_target_sweep_end_to_end(tmp_path, tiny_lla
     assert "--rate auto: the groups sustained" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_repeat_pools_rounds_of_two_routers_end_to_end(tmp_path, tiny_llama):
+    """--repeat 2 at a fixed rate (no calibration): each router deploys twice, the figures pool
+    both rounds, each round's are listed."""
+    trace = write_mooncake(tmp_path / "trace.jsonl", [[1, 2], [1, 2, 3], [4, 5], [4, 5, 6]])
+    plot = tmp_path / "ttft.png"
+    proc = run_bench("--model", str(tiny_llama), "--trace", str(trace), "--requests", "4",
+                     "--system-prompt-blocks", "1", "--block-size", "4", "--max-output", "2",
+                     "--drain-timeout-s", "60", "--min-turns", "1", "--rate", "4",
+                     "--routers", "kv,prefix_affinity", "--repeat", "2",
+                     "--plot-out", str(plot), timeout=580)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["rounds"] == 2 and "sustained_req_s" not in result
+    for suffix in ("", "_prefix_affinity"):
+        assert result["num_ok" + suffix] == 8 and result["output_tokens" + suffix] == 16
+        assert result["num_failed_by_round" + suffix] == [0, 0]
+        assert all(t > 0 for t in result["ttft_p99_ms_by_round" + suffix])
+        assert len(result["ttft_p99_ms_by_round" + suffix]) == 2
+        assert 0 < result["ttft_p50_ms" + suffix] <= result["ttft_p99_ms" + suffix]
+    assert result["num_router_decisions"] == 8  # both rounds' live decisions
+    assert 0 <= result["ttft_p99_met_prefix_affinity_rounds"] <= 2
+    assert "round 1 (ran prefix_affinity, kv)" in proc.stdout
+    assert "prefix affinity, round 2/2" in proc.stderr
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.parametrize("content, expected", [
     ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,abc,10\n", "line 2"),
     ("time,prompt,output\n1,2,3\n", "expected an Azure CSV"),
@@ -305,3 +334,85 @@ def test_sweep_json_and_plot(bench, tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     assert bench.run_label("kv", 0.5) == "kv-aware @0.5"
     assert bench.run_label("pow2") == "pow2 (default)"
+
+
+# ----- --repeat: rounds, pooled -----
+
+
+def test_round_orders_rotate_so_each_router_takes_each_place(bench):
+    orders = bench.round_orders(["kv", "pow2", "prefix_affinity"], 4)
+    assert orders == [["kv", "pow2", "prefix_affinity"], ["pow2", "prefix_affinity", "kv"],
+                      ["prefix_affinity", "kv", "pow2"], ["kv", "pow2", "prefix_affinity"]]
+
+
+def _round(bench, start, ttfts, tokens, hits, queries, peaks, decisions):
+    """A round whose requests are sent 1 s apart from ``start`` and each last 2 s."""
+    results = [bench.RequestResult(tokens, sent_at=start + i, ended_at=start + i + 2.0,
+                                   ttft_s=t, itl_s=[0.01], num_streamed_tokens=tokens,
+                                   num_output_tokens=tokens) for i, t in enumerate(ttfts)]
+    names = [f"g{start}-{i}" for i in range(len(peaks))]  # each deployment names its own
+    return bench.RunResult(
+        "kv", results, num_not_sent=1, start=start,
+        kv_usage_peak=dict(zip(names, peaks)), kv_usage_sum=dict(zip(names, peaks)),
+        kv_usage_samples={n: 1 for n in names},
+        group_counters={n: {"prefix_cache_hits": h, "prefix_cache_queries": q,
+                            "num_preemptions": 1.0} for n, h, q in zip(names, hits, queries)},
+        router_stats={"num_routers": 1, "times_us": decisions,
+                      "counts": {"under_target_prefix": len(decisions)}},
+        other_cpu_frac=0.01, load_avg=[1.0, 2.0])
+
+
+def test_pooled_rounds_join_their_windows_and_merge_groups_by_place(bench):
+    first = _round(bench, 100.0, [0.1, 0.2], 4, [10.0, 30.0], [100.0, 100.0], [0.2, 0.6], [5.0])
+    second = _round(bench, 900.0, [0.3, 0.4, 5.0], 2, [0.0, 20.0], [50.0, 50.0], [0.9, 0.1],
+                    [7.0, 9.0])
+    summary = bench.summarize(bench.pool_runs([first, second]))
+    # windows 3 s and 4 s, not the 803 s between the rounds' clocks
+    assert summary["duration_s"] == 7.0 and summary["output_tokens"] == 2 * 4 + 3 * 2
+    assert summary["throughput_tok_s"] == 2.0
+    assert summary["num_ok"] == 5 and summary["num_not_sent"] == 2
+    assert summary["ttft_p50_ms"] == 300.0 and summary["ttft_p99_ms"] > 4000.0  # one pool
+    assert summary["prefix_hit_rate"] == 0.2  # 60 hits of 300 tokens looked up
+    assert summary["preemptions"] == 4
+    # group places by peak usage: (0.2, 0.1) lowest, (0.6, 0.9) highest
+    assert summary["kv_usage_peak_by_group"] == [0.2, 0.9]
+    assert summary["kv_usage_mean_by_group"] == [0.15, 0.75]
+    assert summary["prefill_tokens_by_group"] == [150, 150]
+    stats = bench.pool_runs([first, second]).router_stats
+    assert stats["times_us"] == [5.0, 7.0, 9.0] and stats["counts"] == {"under_target_prefix": 3}
+    assert first.router_stats["times_us"] == [5.0]  # the rounds themselves are left alone
+    assert first.results[0].sent_at == 100.0
+
+
+def test_rounds_json_counts_the_rounds_meeting_each_target_and_plots(bench, tmp_path, capsys):
+    by_round = [{"kv": fake_summary(700.0, 30.0, 0.5, 0),
+                 "prefix_affinity": fake_summary(690.0, 30.0, 0.5, 0)},
+                {"kv": fake_summary(600.0, 30.0, 0.6, 0),
+                 "prefix_affinity": fake_summary(690.0, 29.0, 0.5, 0)}]
+    checks = [bench.target_checks(s) for s in by_round]
+    out = bench.rounds_json(by_round, checks)
+    assert out["rounds"] == 2 and out["ttft_p99_ms_by_round"] == [700.0, 600.0]
+    assert out["prefix_hit_rate_by_round_prefix_affinity"] == [0.5, 0.5]
+    assert out["ttft_p99_met_prefix_affinity_rounds"] == 1
+    assert out["throughput_met_prefix_affinity_rounds"] == 2
+    assert out["ttft_p99_met_pow2_rounds"] == 0  # no pow2 in these rounds: never met
+    bench.print_rounds(bench.round_orders(["kv", "prefix_affinity"], 2), by_round, checks)
+    printed = capsys.readouterr().out
+    assert "round 1 (ran prefix_affinity, kv): 600.0 / 690.0" in printed
+    assert "missed: ttft_p99_met_prefix_affinity" in printed
+    assert "ttft_p99_met_prefix_affinity 1/2" in printed
+    pooled = {"kv": _round(bench, 0.0, [0.1, 0.2], 4, [1.0], [2.0], [0.5], [1.0]),
+              "prefix_affinity": bench.RunResult("prefix_affinity", [], 0, 0.0)}  # none ok
+    bench.plot_ttft(pooled, str(tmp_path / "ttft.png"), "title")
+    assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_repeat_takes_a_count_and_one_target(bench, capsys):
+    args = bench.parse_args(["--repeat", "3"])
+    assert args.repeat == 3 and args.plot_out == bench.DEFAULT_ROUNDS_PLOT
+    assert bench.parse_args([]).plot_out == bench.DEFAULT_PLOT
+    for argv in (["--repeat", "0"], ["--repeat", "2", "--target", "0.6,0.7"]):
+        with pytest.raises(SystemExit) as exc:
+            bench.parse_args(argv)
+        assert exc.value.code == 2
+        assert "--repeat" in capsys.readouterr().err

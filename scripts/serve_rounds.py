@@ -1,0 +1,152 @@
+"""Repeated rounds of the serving benchmark (``bench_serve.py --repeat N``) and their pooled
+figures.
+
+One 200-request replay cannot tell a router's lead from this host's noise: its TTFT p99 is its
+second-slowest request, and its prefix hit rate moves with whichever conversation histories the
+pools happen to evict. With ``--repeat N`` every router replays the same requests N times:
+
+* round i offers Poisson arrivals seeded ``--seed + i`` at the same rate (round 0's are the
+  single run's), so the rounds sample the arrival process, not one draw of it;
+* round i runs the routers in the order of ``--routers`` rotated by i, so none always runs first
+  (or last) on a host whose load drifts.
+
+The headline figures and the targets are then the pooled ones: every request of every round in
+one latency distribution, throughput as all output tokens over the rounds' summed windows, the
+hit rate as all hits over all prompt tokens looked up, preemptions summed. Each round's own
+figures and how many rounds met each target are printed beside them, and a PNG shows each
+router's pooled TTFT distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence
+
+from serve_replay import RunResult
+from serve_report import ROUTER_LABELS, json_suffix
+
+ROUND_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms", "throughput_tok_s",
+              "prefix_hit_rate", "preemptions", "num_failed")
+
+
+def round_orders(routers: Sequence[str], rounds: int) -> List[List[str]]:
+    """The routers' order in each round: ``routers`` rotated by the round's index."""
+    n = len(routers)
+    return [list(routers[i % n:]) + list(routers[:i % n]) for i in range(rounds)]
+
+
+def pool_runs(runs: Sequence[RunResult]) -> RunResult:
+    """One run that holds every round of a router, for `serve_report.summarize`: each round's
+    request times shifted to start where the round before it ended (so the window is the sum of
+    the rounds' windows), the groups' counters and KV usage merged by the group's place in its
+    round (lowest peak usage first: deployments name their groups afresh), the router's
+    decision times and reasons concatenated and added."""
+    if not runs:
+        raise ValueError("pool_runs needs at least one run")
+    pooled = RunResult(runs[0].router, [], 0, start=0.0)
+    clock = 0.0
+    for run in runs:
+        offset = clock - run.start
+        for r in run.results:
+            pooled.results.append(dataclasses.replace(
+                r, sent_at=None if r.sent_at is None else r.sent_at + offset,
+                ended_at=None if r.ended_at is None else r.ended_at + offset))
+        ends = [r.ended_at for r in run.results if r.sent_at is not None and r.ended_at]
+        clock += (max(ends) - run.start) if ends else 0.0
+        pooled.num_not_sent += run.num_not_sent
+        _merge_groups(pooled, run)
+        pooled.router_stats = _merge_router_stats(pooled.router_stats, run.router_stats)
+    fracs = [run.other_cpu_frac for run in runs if run.other_cpu_frac is not None]
+    pooled.other_cpu_frac = round(max(fracs), 3) if fracs else None
+    pooled.load_avg = [runs[0].load_avg[0] if runs[0].load_avg else None,
+                       runs[-1].load_avg[-1] if runs[-1].load_avg else None]
+    return pooled
+
+
+def _merge_groups(pooled: RunResult, run: RunResult) -> None:
+    groups = sorted(set(run.kv_usage_peak) | set(run.group_counters),
+                    key=lambda g: run.kv_usage_peak.get(g, 0.0))
+    for place, group in enumerate(groups):
+        key = f"group {place}"
+        if group in run.kv_usage_peak:
+            pooled.kv_usage_peak[key] = max(pooled.kv_usage_peak.get(key, 0.0),
+                                            run.kv_usage_peak[group])
+            pooled.kv_usage_sum[key] = (pooled.kv_usage_sum.get(key, 0.0)
+                                        + run.kv_usage_sum[group])
+            pooled.kv_usage_samples[key] = (pooled.kv_usage_samples.get(key, 0)
+                                            + run.kv_usage_samples[group])
+        merged = pooled.group_counters.setdefault(key, {})
+        for name, value in run.group_counters.get(group, {}).items():
+            merged[name] = merged.get(name, 0.0) + value
+
+
+def _merge_router_stats(a: Optional[Dict[str, Any]],
+                        b: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    if b is None:
+        return a
+    if a is None:
+        return {**b, "times_us": list(b["times_us"]), "counts": dict(b["counts"])}
+    counts = dict(a["counts"])
+    for reason, n in b["counts"].items():
+        counts[reason] = counts.get(reason, 0) + n
+    return {**a, "times_us": a["times_us"] + b["times_us"], "counts": counts}
+
+
+def rounds_json(by_round: Sequence[Dict[str, Dict[str, Any]]],
+                checks_by_round: Sequence[Dict[str, Optional[bool]]]) -> Dict[str, Any]:
+    """Each router's round figures as lists, ``<figure>_by_round<suffix>``, and per target
+    check the number of rounds that met it, ``<check>_rounds``."""
+    out: Dict[str, Any] = {"rounds": len(by_round)}
+    for router in by_round[0]:
+        for key in ROUND_KEYS:
+            out[f"{key}_by_round{json_suffix(router)}"] = [s[router].get(key) for s in by_round]
+    for check in checks_by_round[0]:
+        out[f"{check}_rounds"] = sum(bool(c[check]) for c in checks_by_round)
+    return out
+
+
+def print_rounds(orders: Sequence[Sequence[str]], by_round: Sequence[Dict[str, Dict[str, Any]]],
+                 checks_by_round: Sequence[Dict[str, Optional[bool]]]) -> None:
+    """A line per round (its order, TTFT p99, throughput, hit rate of each router, the checks
+    missed), then per check the rounds that met it."""
+    print(f"\n{len(by_round)} rounds (the table above pools them); per round, in --routers "
+          f"order: TTFT p99 ms | throughput tok/s | hit rate | preemptions")
+    for i, (order, summary) in enumerate(zip(orders, by_round)):
+        cells = [" / ".join(_cell(summary[r].get(key)) for r in summary) for key in
+                 ("ttft_p99_ms", "throughput_tok_s", "prefix_hit_rate", "preemptions")]
+        missed = [k for k, v in checks_by_round[i].items() if v is False]
+        print(f"  round {i} (ran {', '.join(order)}): {' | '.join(cells)}; missed: "
+              f"{', '.join(missed) or 'none'}")
+    counts = rounds_json(by_round, checks_by_round)
+    print("rounds meeting each target: " + ", ".join(
+        f"{check} {counts[check + '_rounds']}/{len(by_round)}" for check in checks_by_round[0]))
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def plot_ttft(pooled: Dict[str, RunResult], path: str, title: str) -> None:
+    """Each router's pooled TTFT distribution (every round's requests) as a CDF, log time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for router, run in pooled.items():
+        ttft = numpy.sort([r.ttft_s * 1000 for r in run.results if r.is_ok])
+        if len(ttft):
+            ax.step(ttft, numpy.arange(1, len(ttft) + 1) / len(ttft), where="post",
+                    label=f"{ROUTER_LABELS[router]} (p99 {numpy.percentile(ttft, 99):,.0f} ms)")
+    ax.axhline(0.99, color="grey", linestyle=":", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
