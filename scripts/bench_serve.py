@@ -81,8 +81,8 @@ from serve_replay import (RequestResult, RunResult, log,  # noqa: E402,F401
                           parse_group_metrics)
 from serve_rounds import (plot_ttft, pool_runs, print_rounds, round_orders,  # noqa: E402,F401
                           rounds_json)
-from serve_report import (finish_sweep, flat_json, json_suffix, percentile,  # noqa: E402,F401
-                          plot_sweep, print_header, print_router_lines, print_table,
+from serve_report import (finish_sweep, flat_json, host_tier, json_suffix,  # noqa: E402,F401
+                          percentile, plot_sweep, print_header, print_router_lines, print_table,
                           router_figures, run_label, summarize, sweep_json, target_checks,
                           time_rank_groups)
 from serve_workload import (BenchRequest, Scaling, arrival_times,  # noqa: E402,F401
@@ -376,8 +376,10 @@ def finish_rounds(args: argparse.Namespace, rounds: List[Dict[RunKey, RunResult]
     by_round = [{router: summarize(run) for (router, _), run in r.items()} for r in rounds]
     checks = [target_checks(s) for s in by_round]
     print_rounds(round_orders(args.routers, args.repeat), by_round, checks)
-    title = (f"{meta['num_requests']} requests x {len(rounds)} rounds, {meta['arrival_desc']}, "
-             f"{meta['groups']} groups x {meta['kv_blocks']} blocks")
+    arrivals = (f"Poisson {meta['rate_req_s']} req/s reseeded each round"
+                if meta.get("rate_req_s") else "the trace's arrivals")
+    title = (f"{meta['num_requests']} requests x {len(rounds)} rounds, {arrivals}, "
+             f"{meta['groups']} groups x {meta['kv_blocks']} blocks{host_tier(meta)}")
     plot_ttft({router: run for (router, _), run in pooled.items()}, args.plot_out, title)
     print(f"plot: {args.plot_out}")
     return {**rounds_json(by_round, checks), "plot": args.plot_out}

@@ -26,7 +26,7 @@ from serve_replay import RunResult
 from serve_report import ROUTER_LABELS, json_suffix
 
 ROUND_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms", "throughput_tok_s",
-              "prefix_hit_rate", "preemptions", "num_failed")
+              "prefix_hit_rate", "preemptions", "num_failed", "prefill_tokens_by_group")
 
 
 def round_orders(routers: Sequence[str], rounds: int) -> List[List[str]]:
@@ -95,13 +95,15 @@ def _merge_router_stats(a: Optional[Dict[str, Any]],
 def rounds_json(by_round: Sequence[Dict[str, Dict[str, Any]]],
                 checks_by_round: Sequence[Dict[str, Optional[bool]]]) -> Dict[str, Any]:
     """Each router's round figures as lists, ``<figure>_by_round<suffix>``, and per target
-    check the number of rounds that met it, ``<check>_rounds``."""
+    check the number of rounds that met it, ``<check>_rounds`` (None where no round could be
+    checked: a router or a figure missing)."""
     out: Dict[str, Any] = {"rounds": len(by_round)}
     for router in by_round[0]:
         for key in ROUND_KEYS:
             out[f"{key}_by_round{json_suffix(router)}"] = [s[router].get(key) for s in by_round]
     for check in checks_by_round[0]:
-        out[f"{check}_rounds"] = sum(bool(c[check]) for c in checks_by_round)
+        verdicts = [c[check] for c in checks_by_round if c[check] is not None]
+        out[f"{check}_rounds"] = sum(verdicts) if verdicts else None
     return out
 
 
@@ -119,7 +121,8 @@ def print_rounds(orders: Sequence[Sequence[str]], by_round: Sequence[Dict[str, D
               f"{', '.join(missed) or 'none'}")
     counts = rounds_json(by_round, checks_by_round)
     print("rounds meeting each target: " + ", ".join(
-        f"{check} {counts[check + '_rounds']}/{len(by_round)}" for check in checks_by_round[0]))
+        f"{check} {counts[check + '_rounds']}/{len(by_round)}" for check in checks_by_round[0]
+        if counts[check + "_rounds"] is not None))
 
 
 def _cell(value: Any) -> str:
