@@ -28,16 +28,16 @@ KV pressure: ``--kv-blocks auto`` (the default) sizes each group's pool so that 
 (every distinct full prompt block once, plus each request's own partial and output blocks) is
 ``--kv-pressure`` (3.0) times one group's pool: two groups together hold two thirds of it if
 each keeps its own prefixes, a third if both must hold all of them. ``--host-kv-blocks N`` gives
-each group a host tier of N blocks below its pool (none by default). Near saturation: ``--rate auto`` (the
-default) first runs a sample of the requests (``--calibration-requests``) all at once through a
-separate deployment (power of two choices), takes requests done / time as what the groups
-sustain, and sets the Poisson rate to ``--load`` (0.9) of it; both are printed. ``--target``
-with several values (``0.5,0.6,0.7,0.8,0.9``) sweeps the occupancy target of each KV-aware router
-in ``--routers`` on the same requests, runs the others once, and plots TTFT p99 and throughput
-against the target, the others as flat lines (``--plot-out``). ``--repeat N`` replays every
-router N times, the arrivals reseeded and the order rotated each round, and reports the rounds
-pooled and one by one (``serve_rounds.py``: one 200-request run's TTFT p99 is its second-slowest
-request).
+each group a host tier of N blocks below its pool (none by default). Near saturation:
+``--rate auto`` (the default) first runs a sample of the requests (``--calibration-requests``)
+all at once through a separate deployment (power of two choices), takes requests done / time as
+what the groups sustain, and sets the Poisson rate to ``--load`` (0.9) of it; both are printed.
+``--target`` with several values (``0.5,0.6,0.7,0.8,0.9``) sweeps the occupancy target of each
+KV-aware router in ``--routers`` on the same requests, runs the others once, and plots TTFT p99
+and throughput against the target, the others as flat lines (``--plot-out``). ``--repeat N``
+replays every router N times, the arrivals reseeded and the order rotated each round, and
+reports the rounds pooled and one by one (``serve_rounds.py``: one 200-request run's TTFT p99 is
+its second-slowest request).
 
 Per router: throughput (output tokens of successful requests over first send to last response),
 TTFT p50/p99, ITL p99, preemptions, prefix-cache hit rate and each group's peak and mean KV
@@ -53,7 +53,8 @@ here on synthetic loads of 2 and 64 groups (the target: under 50 us with 64 grou
 
 The last line printed is one JSON object with every figure (the KV-aware router's unsuffixed,
 at the first ``--target``; the others' with ``_pow2``, ``_prefix_affinity``, ``_round_robin``;
-a sweep's as lists ``<figure>_by_target``).
+a sweep's as lists ``<figure>_by_target``; with ``--repeat`` the pooled figures, and each
+round's as lists ``<figure>_by_round``).
 """
 
 from __future__ import annotations
@@ -307,7 +308,8 @@ RunKey = Tuple[str, Optional[float]]  # (router, its --target in a sweep; None: 
 
 
 def run_routers(args: argparse.Namespace, work: Workload, endpoint: Endpoint,
-                order: Optional[Sequence[str]] = None, requests: Optional[List[BenchRequest]] = None,
+                order: Optional[Sequence[str]] = None,
+                requests: Optional[List[BenchRequest]] = None,
                 round_tag: str = "") -> Dict[RunKey, RunResult]:
     """Each router of --routers (in ``order``), one after another, on the same requests; with
     several --target values, each KV-aware one at every target (the sweep) and the others once
