@@ -40,7 +40,8 @@ def pool_runs(runs: Sequence[RunResult]) -> RunResult:
     request times shifted to start where the round before it ended (so the window is the sum of
     the rounds' windows), the groups' counters and KV usage merged by the group's place in its
     round (lowest peak usage first: deployments name their groups afresh), the router's
-    decision times and reasons concatenated and added."""
+    decision times and reasons concatenated and added, the other processes' CPU share the
+    highest of any round's."""
     if not runs:
         raise ValueError("pool_runs needs at least one run")
     pooled = RunResult(runs[0].router, [], 0, start=0.0)
@@ -51,7 +52,8 @@ def pool_runs(runs: Sequence[RunResult]) -> RunResult:
             pooled.results.append(dataclasses.replace(
                 r, sent_at=None if r.sent_at is None else r.sent_at + offset,
                 ended_at=None if r.ended_at is None else r.ended_at + offset))
-        ends = [r.ended_at for r in run.results if r.sent_at is not None and r.ended_at]
+        ends = [r.ended_at for r in run.results
+                if r.sent_at is not None and r.ended_at is not None]
         clock += (max(ends) - run.start) if ends else 0.0
         pooled.num_not_sent += run.num_not_sent
         _merge_groups(pooled, run)
@@ -65,7 +67,7 @@ def pool_runs(runs: Sequence[RunResult]) -> RunResult:
 
 def _merge_groups(pooled: RunResult, run: RunResult) -> None:
     groups = sorted(set(run.kv_usage_peak) | set(run.group_counters),
-                    key=lambda g: run.kv_usage_peak.get(g, 0.0))
+                    key=lambda g: (run.kv_usage_peak.get(g, 0.0), g))
     for place, group in enumerate(groups):
         key = f"group {place}"
         if group in run.kv_usage_peak:
