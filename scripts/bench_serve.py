@@ -377,14 +377,15 @@ def finish_rounds(args: argparse.Namespace, rounds: List[Dict[RunKey, RunResult]
     """--repeat: each round's figures and targets, and the pooled TTFT distributions' plot."""
     by_round = [{router: summarize(run) for (router, _), run in r.items()} for r in rounds]
     checks = [target_checks(s) for s in by_round]
-    print_rounds(round_orders(args.routers, args.repeat), by_round, checks)
+    counts = rounds_json(by_round, checks)
+    print_rounds(round_orders(args.routers, args.repeat), by_round, checks, counts)
     arrivals = (f"Poisson {meta['rate_req_s']} req/s reseeded each round"
                 if meta.get("rate_req_s") else "the trace's arrivals")
     title = (f"{meta['num_requests']} requests x {len(rounds)} rounds, {arrivals}, "
              f"{meta['groups']} groups x {meta['kv_blocks']} blocks{host_tier(meta)}")
     plot_ttft({router: run for (router, _), run in pooled.items()}, args.plot_out, title)
     print(f"plot: {args.plot_out}")
-    return {**rounds_json(by_round, checks), "plot": args.plot_out}
+    return {**counts, "plot": args.plot_out}
 
 
 def engine_is_cpu() -> bool:

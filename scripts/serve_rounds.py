@@ -110,18 +110,19 @@ def rounds_json(by_round: Sequence[Dict[str, Dict[str, Any]]],
 
 
 def print_rounds(orders: Sequence[Sequence[str]], by_round: Sequence[Dict[str, Dict[str, Any]]],
-                 checks_by_round: Sequence[Dict[str, Optional[bool]]]) -> None:
-    """A line per round (its order, TTFT p99, throughput, hit rate of each router, the checks
-    missed), then per check the rounds that met it."""
+                 checks_by_round: Sequence[Dict[str, Optional[bool]]],
+                 counts: Dict[str, Any]) -> None:
+    """A line per round, numbered from 1 as the run's log does (its order, TTFT p99,
+    throughput, hit rate of each router, the checks missed), then per check the rounds that met
+    it (``counts``: `rounds_json` of the same rounds)."""
     print(f"\n{len(by_round)} rounds (the table above pools them); per round, in --routers "
           f"order: TTFT p99 ms | throughput tok/s | hit rate | preemptions")
     for i, (order, summary) in enumerate(zip(orders, by_round)):
         cells = [" / ".join(_cell(summary[r].get(key)) for r in summary) for key in
                  ("ttft_p99_ms", "throughput_tok_s", "prefix_hit_rate", "preemptions")]
         missed = [k for k, v in checks_by_round[i].items() if v is False]
-        print(f"  round {i} (ran {', '.join(order)}): {' | '.join(cells)}; missed: "
+        print(f"  round {i + 1} (ran {', '.join(order)}): {' | '.join(cells)}; missed: "
               f"{', '.join(missed) or 'none'}")
-    counts = rounds_json(by_round, checks_by_round)
     print("rounds meeting each target: " + ", ".join(
         f"{check} {counts[check + '_rounds']}/{len(by_round)}" for check in checks_by_round[0]
         if counts[check + "_rounds"] is not None))

@@ -116,7 +116,7 @@ def test_repeat_pools_rounds_end_to_end(tmp_path, tiny_llama):
     assert 0 < result["ttft_p50_ms"] <= result["ttft_p99_ms"]
     assert result["num_router_decisions"] == 8  # both rounds' live decisions
     assert result["ttft_p99_met_prefix_affinity_rounds"] is None  # no baseline ran
-    assert "round 1 (ran kv)" in proc.stdout and "kv-aware, round 2/2" in proc.stderr
+    assert "round 2 (ran kv)" in proc.stdout and "kv-aware, round 2/2" in proc.stderr
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -394,9 +394,9 @@ def test_rounds_json_counts_the_rounds_meeting_each_target_and_plots(bench, tmp_
     assert out["ttft_p99_met_prefix_affinity_rounds"] == 1
     assert out["throughput_met_prefix_affinity_rounds"] == 2
     assert out["ttft_p99_met_pow2_rounds"] is None  # no pow2 in these rounds: not checked
-    bench.print_rounds(bench.round_orders(["kv", "prefix_affinity"], 2), by_round, checks)
+    bench.print_rounds(bench.round_orders(["kv", "prefix_affinity"], 2), by_round, checks, out)
     printed = capsys.readouterr().out
-    assert "round 1 (ran prefix_affinity, kv): 600.0 / 690.0" in printed
+    assert "round 2 (ran prefix_affinity, kv): 600.0 / 690.0" in printed
     assert "missed: ttft_p99_met_prefix_affinity" in printed
     assert "ttft_p99_met_prefix_affinity 1/2" in printed and "met_pow2" not in printed
     pooled = {"kv": _round(bench, 0.0, [0.1, 0.2], 4, [1.0], [2.0], [0.5], [1.0]),
