@@ -10,6 +10,7 @@
             by committed blocks kept in `FleetLoads.kept` and moved with each charge; for such
             fleets of up to 64 groups, the walk and the ranking are one C call,
             `cluster.native_rank`, with the same result)
+         (groups tied on every key but the group id: the one given the fewest tokens first)
          and T is charged to the first choice at once (the rest of a burst must see it)
       -> Serve tries the ranks in order (a full replica, by its queue length, is passed over)
       -> on_request_routed: a replica accepted it; count the reason, move the charge there
@@ -85,7 +86,7 @@ from ray.serve.request_router import (
 from cluster import native_rank
 from cluster.load_report import FleetLoads, ReplicaLoadTracker
 from cluster.metrics import register_router_decisions
-from cluster.placement import GroupLoad, Placement, RequestDemand, rank_groups
+from cluster.placement import GroupLoad, Placement, RequestDemand, rank_groups, tied_with_first
 from cluster.prefix_index import PrefixIndex
 from cluster.router_settings import RouterSettings
 from cluster.uniform_rank import UniformRanking, rank_uniform
@@ -241,6 +242,8 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if ranks is None:
             self._remember(request_id, decision)
             return await self._power_of_two(candidate_replicas, pending_request)
+        if len(ranks) > 1:
+            self._break_ties(ranks, decision.placements)
         # Charge the first choice now, not when it accepts: the routing tasks of a burst run
         # before any acceptance comes back, and must see each other's requests.
         charged = decision.charged = ranks[0][0].replica_id
@@ -257,6 +260,20 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         with self._stats_lock:
             self._decision_times_us.append(elapsed_us)
         return ranks
+
+    def _break_ties(self, ranks: List[List[RunningReplica]],
+                    placements: Optional[Sequence[Placement]]) -> None:
+        """Orders the groups ranked first that tie on every key but the group id by the tokens
+        each accepted so far, fewest first (`cluster.placement` says why), in place. Tied groups
+        hold the same prefix, so what the request adds to each (``first_tokens``) is the same."""
+        if isinstance(placements, UniformRanking):
+            lead = placements.tied_with_first()
+        else:
+            lead = tied_with_first(placements or ())
+        if lead > 1:
+            trackers = self._trackers
+            ranks[:lead] = sorted(ranks[:lead], key=lambda rank: trackers[
+                rank[0].replica_id.unique_id].num_tokens_accepted)
 
     def _rank(
         self,
@@ -385,7 +402,9 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         now = time.time()
         if decision.num_tokens:
             # Re-stamped at acceptance: a report taken from now on holds the request.
-            tracker.charge(request_id, decision.tokens_on(replica_id.unique_id), now)
+            tokens = decision.tokens_on(replica_id.unique_id)
+            tracker.charge(request_id, tokens, now)
+            tracker.num_tokens_accepted += tokens
         if decision.block_hashes:
             tracker.note_routed(decision.block_hashes, now)
         with self._stats_lock:

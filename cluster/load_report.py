@@ -107,6 +107,9 @@ class ReplicaLoadTracker:
             collections.OrderedDict()
         )
         self.num_tokens_sent = 0
+        # Tokens of every request this group accepted from this router, less the cached prefix
+        # they were ranked with (never decreases): the router gives exact ties to the least.
+        self.num_tokens_accepted = 0
         # Block hashes of prompts routed here -> when, oldest first: counted as cached for
         # charge_ttl_s, whatever the reports say (a report lists a prompt's blocks only once
         # the group has computed them, seconds after a follow-up may need to know).

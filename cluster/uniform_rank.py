@@ -100,6 +100,20 @@ class UniformRanking(Sequence[Placement]):
                 return self._prefix.get(i, self._base)
         return 0
 
+    def tied_with_first(self) -> int:
+        """`cluster.placement.tied_with_first` of this ranking, read from the committed blocks
+        and prefixes (equal in both: equal keys) rather than from a Placement per group."""
+        order, committed, prefix, base = self.order, self._committed, self._prefix, self._base
+        if not order:
+            return 0
+        first = order[0]
+        blocks, held = committed[first], prefix.get(first, base)
+        count = 1
+        while (count < len(order) and committed[order[count]] == blocks
+               and prefix.get(order[count], base) == held):
+            count += 1
+        return count
+
     def _placement(self, i: int) -> Placement:
         prefix = self._prefix.get(i, self._base)
         occupancy = (self._committed[i] + self._num_blocks - prefix) / self._total

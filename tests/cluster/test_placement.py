@@ -18,6 +18,7 @@ from cluster.placement import (
     PlacementReason,
     RequestDemand,
     rank_groups,
+    tied_with_first,
 )
 from kv.prefix_hash import extend_block_hashes
 
@@ -366,3 +367,20 @@ def test_cached_prefix_count_is_the_leading_run(request_hashes, cached):
     group = load("g", 0, cached=cached)
     request = RequestDemand(1, tuple(request_hashes), BS)
     assert group.num_cached_prefix_blocks(request) == _naive_prefix(group, request)
+
+
+def test_tied_with_first_counts_the_leading_groups_told_apart_by_their_id_alone():
+    hashes = [11, 12, 13]
+    # c and a: idle, both hold the first block; b: busier; d: idle but holds all three
+    loads = [load("c", 0, cached=[11]), load("b", 5, cached=[11]), load("a", 0, cached=[11]),
+             load("e", 0)]
+    ranked = rank_groups(demand(4 * BS, hashes), loads)
+    assert ids(ranked)[:2] == ["a", "c"] and tied_with_first(ranked) == 2
+    # the same occupancy by another prefix (d: 2 blocks more used, 2 more cached) is no tie
+    loads.append(load("d", 2, cached=hashes))
+    ranked = rank_groups(demand(4 * BS, hashes), loads, load_weight=0.0)
+    assert ids(ranked)[0] == "d" and tied_with_first(ranked) == 1
+    assert tied_with_first([]) == 0
+    # stale groups tie among themselves too
+    stale = rank_groups(demand(BS), [load("x", 3, age=9.0), load("w", 3, age=9.0)])
+    assert tied_with_first(stale) == 2

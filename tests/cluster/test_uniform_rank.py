@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.placement import GroupLoad, RequestDemand, rank_groups
+from cluster.placement import GroupLoad, RequestDemand, rank_groups, tied_with_first
 from cluster.uniform_rank import CommittedOrder, is_uniform, rank_uniform
 
 BS = 16
@@ -73,6 +73,7 @@ def test_fast_ranking_equals_rank_groups(fleet, target, prefix_weight, load_weig
     assert list(ranking) == expected
     assert [loads[i].group_id for i in ranking.order] == [p.group_id for p in expected]
     assert ranking[0] == expected[0] and ranking[-1] == expected[-1]
+    assert ranking.tied_with_first() == tied_with_first(expected)
 
 
 def test_a_conversations_group_is_placed_by_its_score_among_the_base_groups():
