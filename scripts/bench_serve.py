@@ -80,8 +80,8 @@ from host_load import cpu_snapshot, load_average, other_cpu_frac  # noqa: E402,F
 from serve_cluster import Endpoint, local_serve, run_router  # noqa: E402
 from serve_replay import (RequestResult, RunResult, log,  # noqa: E402,F401
                           parse_group_metrics)
-from serve_rounds import (plot_ttft, pool_runs, print_rounds, round_orders,  # noqa: E402,F401
-                          rounds_json)
+from serve_rounds import (paired, plot_ttft, pool_runs, print_paired,  # noqa: E402,F401
+                          print_rounds, round_orders, rounds_json)
 from serve_report import (finish_sweep, flat_json, host_tier, json_suffix,  # noqa: E402,F401
                           percentile, plot_sweep, print_header, print_router_lines, print_table,
                           router_figures, run_label, summarize, sweep_json, target_checks,
@@ -379,6 +379,11 @@ def finish_rounds(args: argparse.Namespace, rounds: List[Dict[RunKey, RunResult]
     checks = [target_checks(s) for s in by_round]
     counts = rounds_json(by_round, checks)
     print_rounds(round_orders(args.routers, args.repeat), by_round, checks, counts)
+    comparisons = {other: paired(by_round, other) for other in args.routers if other != "kv"}
+    if "kv" in args.routers:
+        print_paired(comparisons)
+        counts.update({f"paired{json_suffix(other)}": figures
+                       for other, figures in comparisons.items()})
     arrivals = (f"Poisson {meta['rate_req_s']} req/s reseeded each round"
                 if meta.get("rate_req_s") else "the trace's arrivals")
     title = (f"{meta['num_requests']} requests x {len(rounds)} rounds, {arrivals}, "

@@ -14,7 +14,9 @@ The headline figures and the targets are then the pooled ones: every request of 
 one latency distribution, throughput as all output tokens over the rounds' summed windows, the
 hit rate as all hits over all prompt tokens looked up, preemptions summed. Each round's own
 figures and how many rounds met each target are printed beside them, and a PNG shows each
-router's pooled TTFT distribution.
+router's pooled TTFT distribution. Since a round's routers serve the same arrivals, each round
+is a pair: the KV-aware router's figure over (or less) another's, round by round, with the mean
+and a 95% t-interval (`paired`), says whether the rounds tell two routers apart at all.
 """
 
 from __future__ import annotations
@@ -126,6 +128,55 @@ def print_rounds(orders: Sequence[Sequence[str]], by_round: Sequence[Dict[str, D
     print("rounds meeting each target: " + ", ".join(
         f"{check} {counts[check + '_rounds']}/{len(by_round)}" for check in checks_by_round[0]
         if counts[check + "_rounds"] is not None))
+
+
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (then the normal's).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+# The target figures compared round by round: as a ratio (ours / theirs) or a difference.
+PAIRED = (("ttft_p99_ms", "ratio"), ("throughput_tok_s", "ratio"),
+          ("prefix_hit_rate", "difference"), ("preemptions", "difference"))
+
+
+def paired(by_round: Sequence[Dict[str, Dict[str, Any]]], other: str,
+           ours: str = "kv") -> Dict[str, Optional[Dict[str, Any]]]:
+    """``ours`` against ``other`` round by round (the same arrivals, so each round is a pair):
+    per figure of `PAIRED` the per-round values, their mean and its 95% t-interval over the
+    rounds, and ``even`` (the interval holds 1 for a ratio, 0 for a difference: the rounds do
+    not tell the routers apart on it). None for a figure fewer than two rounds have."""
+    out: Dict[str, Optional[Dict[str, Any]]] = {}
+    for key, kind in PAIRED:
+        values = []
+        for summary in by_round:
+            a, b = summary.get(ours, {}).get(key), summary.get(other, {}).get(key)
+            if a is None or b is None or (kind == "ratio" and not b):
+                continue
+            values.append(a / b if kind == "ratio" else a - b)
+        if len(values) < 2:
+            out[key] = None
+            continue
+        n = len(values)
+        mean = sum(values) / n
+        sd = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
+        half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * sd / n ** 0.5
+        even = 1.0 if kind == "ratio" else 0.0
+        out[key] = {"kind": kind, "by_round": [round(v, 4) for v in values],
+                    "mean": round(mean, 4), "ci95": [round(mean - half, 4), round(mean + half, 4)],
+                    "even": mean - half <= even <= mean + half}
+    return out
+
+
+def print_paired(comparisons: Dict[str, Dict[str, Optional[Dict[str, Any]]]]) -> None:
+    """A line per compared router: each figure's mean and 95% interval, round by round."""
+    for other, figures in comparisons.items():
+        cells = []
+        for key, fig in figures.items():
+            if fig is not None:
+                cells.append(f"{key} {fig['kind']} {fig['mean']:g} [{fig['ci95'][0]:g}, "
+                             f"{fig['ci95'][1]:g}]{' (even)' if fig['even'] else ''}")
+        print(f"paired by round, {ROUTER_LABELS['kv']} against {ROUTER_LABELS[other]} (mean, "
+              f"95% t-interval): " + ("; ".join(cells) or "fewer than 2 rounds"))
 
 
 def _cell(value: Any) -> str:

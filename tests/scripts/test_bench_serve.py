@@ -405,6 +405,34 @@ def test_rounds_json_counts_the_rounds_meeting_each_target_and_plots(bench, tmp_
     assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_paired_rounds_give_a_mean_and_a_t_interval_per_figure(bench, capsys):
+    by_round = [{"kv": fake_summary(700.0, 30.0, 0.50, 0),
+                 "prefix_affinity": fake_summary(1000.0, 30.0, 0.52, 0)},
+                {"kv": fake_summary(600.0, 29.7, 0.60, 0),
+                 "prefix_affinity": fake_summary(1000.0, 30.0, 0.58, 0)},
+                {"kv": fake_summary(800.0, 30.3, 0.55, 0),
+                 "prefix_affinity": fake_summary(1000.0, 30.0, 0.55, 0),
+                 "pow2": fake_summary(1600.0, 30.0, 0.40, 0)}]
+    got = bench.paired(by_round, "prefix_affinity")
+    p99 = got["ttft_p99_ms"]
+    # ratios 0.7, 0.6, 0.8: mean 0.7, sd 0.1, half-width t(2) 4.303 * 0.1 / sqrt(3) = 0.2484
+    assert p99["kind"] == "ratio" and p99["by_round"] == [0.7, 0.6, 0.8]
+    assert p99["mean"] == 0.7 and p99["ci95"] == [0.4516, 0.9484] and not p99["even"]
+    assert got["throughput_tok_s"]["by_round"] == [1.0, 0.99, 1.01]
+    assert got["throughput_tok_s"]["even"]  # 0.99 and 1.01 around 1: the rounds cannot tell
+    hits = got["prefix_hit_rate"]
+    assert hits["kind"] == "difference" and hits["by_round"] == [-0.02, 0.02, 0.0]
+    assert hits["even"]
+    assert got["preemptions"]["ci95"] == [0.0, 0.0] and got["preemptions"]["even"]
+    # pow2 ran in one round only: nothing to pair
+    assert all(fig is None for fig in bench.paired(by_round, "pow2").values())
+    bench.print_paired({"prefix_affinity": got, "pow2": bench.paired(by_round, "pow2")})
+    printed = capsys.readouterr().out
+    assert "against prefix affinity" in printed
+    assert "ttft_p99_ms ratio 0.7 [0.4516, 0.9484];" in printed
+    assert "against pow2 (default) (mean, 95% t-interval): fewer than 2 rounds" in printed
+
+
 def test_repeat_takes_a_count_and_one_target(bench, capsys):
     args = bench.parse_args(["--repeat", "3"])
     assert args.repeat == 3 and args.plot_out == bench.DEFAULT_ROUNDS_PLOT
