@@ -37,7 +37,8 @@ KV-aware router in ``--routers`` on the same requests, runs the others once, and
 and throughput against the target, the others as flat lines (``--plot-out``). ``--repeat N``
 replays every router N times, the arrivals reseeded and the order rotated each round, and
 reports the rounds pooled and one by one (``serve_rounds.py``: one 200-request run's TTFT p99 is
-its second-slowest request).
+its second-slowest request), and the KV-aware router against each other router paired by round
+(the mean of the per-round ratio or difference and its 95% t-interval).
 
 Per router: throughput (output tokens of successful requests over first send to last response),
 TTFT p50/p99, ITL p99, preemptions, prefix-cache hit rate and each group's peak and mean KV
