@@ -183,7 +183,9 @@ class MergedStreams:
 
     @property
     def finished(self) -> bool:
-        return not self._ready and all(s.finished for s in self._streams)
+        """Every chunk read out. A stream turns finished as its last chunk is read, which may
+        sit in a pending read (``_next``) until the next ``__anext__`` takes it."""
+        return not self._ready and not self._next and all(s.finished for s in self._streams)
 
     def __aiter__(self) -> "MergedStreams":
         return self

@@ -63,3 +63,21 @@ def test_a_failing_stream_cancels_the_others_and_raises():
 
     assert len(asyncio.run(run())) == 2  # each stream's first chunk, then the failure
     assert slow.cancelled  # its 5 s chunk is not waited for
+
+
+def test_a_last_chunk_that_came_while_the_reader_was_away_is_still_read():
+    # The SSE writer asks `finished` between chunks, after sending the last one on (an await).
+    # Stream 1's only chunk came during that send: its stream was finished, its chunk still in
+    # the merge's pending read, and `finished` said True: the CI run of 2026-12-03 lost prompt
+    # 1's whole output from a streamed batch that way (test_ingress_ray's batch test).
+    merged = MergedStreams([ChunkStream([0.0]), ChunkStream([0.01])], num_choices=1)
+
+    async def run():
+        got = [await merged.__anext__()]
+        await asyncio.sleep(0.05)  # sending the first chunk on
+        while not merged.finished:
+            got.append(await merged.__anext__())
+        return got
+
+    assert sorted(chunk["index"] for chunk in asyncio.run(run())) == [0, 1]
+    assert merged.finished
