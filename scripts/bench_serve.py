@@ -380,8 +380,8 @@ def finish_rounds(args: argparse.Namespace, rounds: List[Dict[RunKey, RunResult]
     checks = [target_checks(s) for s in by_round]
     counts = rounds_json(by_round, checks)
     print_rounds(round_orders(args.routers, args.repeat), by_round, checks, counts)
-    comparisons = {other: paired(by_round, other) for other in args.routers if other != "kv"}
     if "kv" in args.routers:
+        comparisons = {other: paired(by_round, other) for other in args.routers if other != "kv"}
         print_paired(comparisons)
         counts.update({f"paired{json_suffix(other)}": figures
                        for other, figures in comparisons.items()})
