@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import sys
 import threading
 import time
@@ -89,13 +88,12 @@ def run(args: argparse.Namespace) -> dict:
     from ray import serve
 
     from cluster.app import ServeConfig, build_app
+    from cluster.ports import free_port
     from workers.config import EngineConfig
 
     ray.init(address="local", num_cpus=args.num_cpus, _node_ip_address="127.0.0.1",
              include_dashboard=False, log_to_driver=False)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine = EngineConfig(model=args.model, tp_size=args.tp, block_size=args.block_size,
                           num_kv_blocks=args.kv_blocks, max_model_len=args.max_model_len)

@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,16 +31,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from cluster.ports import free_port  # noqa: E402
+
 PROMPTS = ("The capital of France is", "Tensor parallelism splits", "Hello, my name is",
            "The quick brown fox", "A paged KV cache stores", "Ray Serve routes each request")
 READY_TIMEOUT_S = 300
 Send = Callable[[str], Awaitable[str]]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(model: str, port: int, grpc_port: int, api_key: str) -> subprocess.Popen:

@@ -31,7 +31,6 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 import threading
 import time
@@ -41,6 +40,8 @@ from typing import Dict, List, Optional
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cluster.ports import free_port  # noqa: E402
 
 APP = "tpserve"
 
@@ -60,11 +61,6 @@ class Tally:
         self.timeline.append(line)
         print(line, flush=True)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_app(args: argparse.Namespace, port: int) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 import sys
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, Sequence
@@ -62,6 +61,8 @@ def start_serve(attempts: int = 3) -> int:
     port between our probe and Serve's bind."""
     from ray import serve
 
+    from cluster.ports import free_port
+
     for attempt in range(attempts):
         port = free_port()
         try:
@@ -74,11 +75,6 @@ def start_serve(attempts: int = 3) -> int:
             serve.shutdown()
     raise AssertionError("unreachable")
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def build_bench_app(config: Any, router: str) -> Any:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 from collections import Counter
 from typing import Dict
-import socket
 
 import pytest
 
@@ -18,6 +17,7 @@ from ray import serve  # noqa: E402
 
 from cluster.app import ServeConfig, build_app  # noqa: E402
 from cluster.metrics import kill_metrics_store  # noqa: E402
+from cluster.ports import free_port  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -26,11 +26,6 @@ API_KEY = "fuzz-key"
 HEADERS = {"Authorization": f"Bearer {API_KEY}", "X-Request-Timeout": "600"}
 MAX_EXAMPLES = int(os.environ.get("TPSERVE_FUZZ_EXAMPLES", "12"))  # per operation; 12: < 1 min
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -57,16 +57,14 @@ def test_a_deploy_that_serve_gives_up_on_exits_1_saying_why(tiny_llama, tmp_path
     """Shards that exist but cannot be read pass the up-front check; every group replica then
     fails to load them, Serve marks the application DEPLOY_FAILED, and the CLI says so."""
     import shutil
-    import socket
+
+    from cluster.ports import free_port
 
     broken = tmp_path / "broken"
     shutil.copytree(tiny_llama, broken)
     shard = broken / "model.safetensors"
     shard.write_bytes(shard.read_bytes()[:1000])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    result = serve("--model", str(broken), "--port", str(port), timeout=240)
+    result = serve("--model", str(broken), "--port", str(free_port()), timeout=240)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "the application failed to deploy" in result.stderr
     assert "serving on" not in result.stdout

@@ -24,9 +24,10 @@ from ray import cloudpickle, serve  # noqa: E402
 import test_ingress_ray  # noqa: E402
 from cluster.grpc_service import grpc_options  # noqa: E402
 from cluster.ingress import build_ingress  # noqa: E402
+from cluster.ports import free_port  # noqa: E402
 from cluster.proto.tpserve.v1 import tpserve_pb2 as pb  # noqa: E402
 from cluster.proto.tpserve.v1 import tpserve_pb2_grpc as pb_grpc  # noqa: E402
-from test_ingress_ray import BLOCK_SIZE, TinyGroup, free_port  # noqa: E402
+from test_ingress_ray import BLOCK_SIZE, TinyGroup  # noqa: E402
 from tiny_models import hf_greedy  # noqa: E402
 from workers.tokenizer import load_tokenizer  # noqa: E402
 

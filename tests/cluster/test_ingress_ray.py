@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import socket
 import sys
 import time
 import urllib.error
@@ -27,6 +26,7 @@ from ray import cloudpickle, serve  # noqa: E402
 from cluster.group_stream import stream_chunks  # noqa: E402
 from cluster.ingress import HEALTH_MAX_REPORT_AGE_S, build_ingress  # noqa: E402
 from cluster.metrics import get_metrics_store  # noqa: E402
+from cluster.ports import free_port  # noqa: E402
 from kv.prefix_hash import extend_block_hashes  # noqa: E402
 from tiny_models import hf_greedy  # noqa: E402
 from workers.async_engine import AsyncLLMEngine, EngineDeadError  # noqa: E402
@@ -102,11 +102,6 @@ class TinyGroup:
             "num_preemptions_total": 0, "allreduce_latency_seconds": [0.001, 0.002],
         }))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from ray.serve.config import BackpressureConfig  # noqa: E402
 
 from cluster.group_stream import stream_chunks  # noqa: E402
 from cluster.ingress import build_ingress  # noqa: E402
+from cluster.ports import free_port  # noqa: E402
 from cluster.request_limits import IngressLimits  # noqa: E402
 from workers.async_engine import AsyncLLMEngine, EngineDeadError  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
@@ -72,11 +73,6 @@ class OneSlotGroup:
         return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
                 "kv_blocks_used": self.engine.load.kv.num_used_blocks}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

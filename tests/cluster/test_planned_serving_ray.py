@@ -29,9 +29,10 @@ from cluster.app import ServeConfig, build_app  # noqa: E402
 from cluster.cli_status import collect_status  # noqa: E402
 from cluster.group_allocator import kill_group_allocator  # noqa: E402
 from cluster.metrics import kill_metrics_store  # noqa: E402
+from cluster.ports import free_port  # noqa: E402
 from parallel.topology_probe import IBSTAT_FILE_ENV, NVSMI_FILE_ENV  # noqa: E402
 from ray_clusters import loopback_cluster  # noqa: E402
-from test_serve_e2e import API_KEY, free_port  # noqa: E402
+from test_serve_e2e import API_KEY  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +19,7 @@ from ray import serve  # noqa: E402
 from cluster.app import ServeConfig, build_app  # noqa: E402
 from cluster.grpc_service import grpc_options  # noqa: E402
 from cluster.metrics import kill_metrics_store  # noqa: E402
+from cluster.ports import free_port  # noqa: E402
 from tiny_models import hf_greedy  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 
@@ -29,20 +29,6 @@ API_KEY = "e2e-key"
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], list(range(100, 131))]
 MAX_NEW = 10
 
-
-def free_port() -> int:
-    """A port free on every address of this host, as Serve binds its gRPC proxy (``[::]``): one
-    free on 127.0.0.1 alone may be held on the node's own address (Ray's workers listen there
-    on random ports), and Serve's bind then fails."""
-    try:
-        with socket.socket(socket.AF_INET6) as sock:  # dual-stack: IPv4 addresses too
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            sock.bind(("::", 0))
-            return sock.getsockname()[1]
-    except OSError:  # no IPv6 here
-        with socket.socket() as sock:
-            sock.bind(("0.0.0.0", 0))
-            return sock.getsockname()[1]
 
 
 def serve_app(model_dir, port, engine_kwargs=None, grpc_port=0, **config):

@@ -18,7 +18,8 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 
-from test_serve_e2e import API_KEY, free_port, local_serving  # noqa: E402
+from cluster.ports import free_port  # noqa: E402
+from test_serve_e2e import API_KEY, local_serving  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 

@@ -11,7 +11,8 @@ openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 
 from cluster.metrics import kill_metrics_store  # noqa: E402
-from test_serve_e2e import MAX_NEW, PROMPTS, free_port, serve_app  # noqa: E402
+from cluster.ports import free_port  # noqa: E402
+from test_serve_e2e import MAX_NEW, PROMPTS, serve_app  # noqa: E402
 from ray_clusters import loopback_cluster  # noqa: E402
 from tiny_models import hf_greedy  # noqa: E402
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cluster.ports import free_port
 from monitoring import (REPO, alert_exprs, dashboard_exprs, metric_names, read_alerts,
                         read_dashboard, scraped_names)
 
@@ -32,11 +32,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 API_KEY = "serve-run-key"
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def config_for_this_machine(model_dir: Path, tmp_path: Path, port: int) -> Path:
