@@ -150,13 +150,22 @@ class _PendingDecision:
     def tokens_on(self, group_id: str) -> int:
         """What the request adds to ``group_id``'s pool: its tokens less the blocks of its prefix
         the group has cached (as ranked; all of them where it was not ranked)."""
+        return max(0, self.num_tokens - self.cached_on(group_id) * self.block_size)
+
+    def cached_on(self, group_id: str) -> int:
+        """The request's leading blocks ``group_id`` holds, as ranked (0 where not ranked)."""
         placements = self.placements
         if isinstance(placements, UniformRanking):
-            cached = placements.cached_blocks_of(group_id)
-        else:
-            cached = next((p.cached_prefix_blocks or 0 for p in placements or ()
-                           if p.group_id == group_id), 0)
-        return max(0, self.num_tokens - cached * self.block_size)
+            return placements.cached_blocks_of(group_id)
+        return next((p.cached_prefix_blocks or 0 for p in placements or ()
+                     if p.group_id == group_id), 0)
+
+    def longest_cached(self) -> int:
+        """The most leading request blocks any ranked group holds (0 without a ranking)."""
+        placements = self.placements
+        if isinstance(placements, UniformRanking):
+            return placements.longest_cached_blocks()
+        return max((p.cached_prefix_blocks or 0 for p in placements or ()), default=0)
 
 
 class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -181,6 +190,10 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # Read from other threads (metrics), written on the router's event loop.
         self._stats_lock = threading.Lock()
         self._decision_counts: collections.Counter = collections.Counter()
+        # By reason: decisions that went to a group holding fewer of the request's blocks than
+        # another did, and the blocks given up so (recomputed there).
+        self._prefix_left: collections.Counter = collections.Counter()
+        self._prefix_blocks_left: collections.Counter = collections.Counter()
         self._decision_times_us: Deque[float] = collections.deque(maxlen=4096)
         self._warned_bad_demand = False
         # The C ranking of uniform fleets (built here, off the decision path); None: Python.
@@ -203,6 +216,13 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         """Routed requests by reason (a `PlacementReason` value or a ``FALLBACK_*`` label)."""
         with self._stats_lock:
             return dict(self._decision_counts)
+
+    def prefix_given_up(self) -> Dict[str, Dict[str, int]]:
+        """By reason: ``decisions`` that placed a request on a group holding fewer of its leading
+        blocks than another group did, and the ``blocks`` so given up (summed)."""
+        with self._stats_lock:
+            return {"decisions": dict(self._prefix_left),
+                    "blocks": dict(self._prefix_blocks_left)}
 
     def group_loads(self) -> Dict[str, GroupLoad]:
         """Each reporting replica's load now (its report plus its charges), by group id."""
@@ -407,8 +427,13 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             tracker.num_tokens_accepted += tokens
         if decision.block_hashes:
             tracker.note_routed(decision.block_hashes, now)
+        given_up = (decision.longest_cached() - decision.cached_on(replica_id.unique_id)
+                    if decision.placements is not None else 0)
         with self._stats_lock:
             self._decision_counts[reason] += 1
+            if given_up > 0:
+                self._prefix_left[reason] += 1
+                self._prefix_blocks_left[reason] += given_up
         # Move the kept loads now, after the request went out, rather than in the next decision.
         fleet = self._fleet_cache
         if fleet is not None and self._changed and fleet.holds_until(

@@ -100,6 +100,10 @@ class UniformRanking(Sequence[Placement]):
                 return self._prefix.get(i, self._base)
         return 0
 
+    def longest_cached_blocks(self) -> int:
+        """The most leading request blocks any ranked group holds."""
+        return max(self._prefix.values(), default=self._base) if self.order else 0
+
     def tied_with_first(self) -> int:
         """`cluster.placement.tied_with_first` of this ranking, read from the committed blocks
         and prefixes (equal in both: equal keys) rather than from a Placement per group."""

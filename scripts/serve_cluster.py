@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from typing import Any, Dict, Iterator, Sequence
 
 from host_load import cpu_snapshot, load_average, other_cpu_frac
-from serve_replay import RunResult, log, replay
+from serve_replay import RunResult, add_counts, log, replay
 from serve_workload import MIN_PROMPT_TOKEN_ID, BenchRequest
 
 APP_NAME = "tpserve-bench"
@@ -92,10 +92,13 @@ def _routers_in_process(_replica: Any) -> Dict[str, Any]:
 
     routers = kv_router.live_routers()
     counts: Dict[str, int] = {}
+    given_up: Dict[str, int] = {}
     for router in routers:
-        for reason, n in router.decision_counts().items():
-            counts[reason] = counts.get(reason, 0) + n
-    return {"num_routers": len(routers), "counts": counts,
+        add_counts(counts, router.decision_counts())
+        left = router.prefix_given_up()
+        add_counts(given_up, left["decisions"])
+        add_counts(given_up, {f"{k}_blocks": n for k, n in left["blocks"].items()})
+    return {"num_routers": len(routers), "counts": counts, "given_up": given_up,
             "times_us": [t for router in routers for t in router.decision_times_us()]}
 
 
@@ -107,7 +110,7 @@ def read_router_stats() -> Dict[str, Any]:
     module = sys.modules[_routers_in_process.__module__]
     if module.__name__ != "__main__":  # imported (tests): not importable in the replica
         cloudpickle.register_pickle_by_value(module)
-    merged: Dict[str, Any] = {"num_routers": 0, "counts": {}, "times_us": []}
+    merged: Dict[str, Any] = {"num_routers": 0, "counts": {}, "given_up": {}, "times_us": []}
     prefix = f"SERVE_REPLICA::{APP_NAME}#OpenAIIngress#"
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if not actor["name"].startswith(prefix):
@@ -116,16 +119,19 @@ def read_router_stats() -> Dict[str, Any]:
         got = ray.get(handle.__ray_call__.remote(_routers_in_process), timeout=60)
         merged["num_routers"] += got["num_routers"]
         merged["times_us"] += got["times_us"]
-        for reason, n in got["counts"].items():
-            merged["counts"][reason] = merged["counts"].get(reason, 0) + n
+        add_counts(merged["counts"], got["counts"])
+        add_counts(merged["given_up"], got["given_up"])
     return merged
 
 
 def since(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, Any]:
     """Router records of the measured run alone (the warm-up's taken out)."""
-    counts = {k: n - before["counts"].get(k, 0) for k, n in after["counts"].items()}
+    def new(key: str) -> Dict[str, int]:
+        counts = {k: n - before[key].get(k, 0) for k, n in after[key].items()}
+        return {k: n for k, n in counts.items() if n}
+
     return {"num_routers": after["num_routers"], "times_us": after["times_us"][
-        len(before["times_us"]):], "counts": {k: n for k, n in counts.items() if n}}
+        len(before["times_us"]):], "counts": new("counts"), "given_up": new("given_up")}
 
 
 async def warm_up(endpoint: Endpoint) -> None:

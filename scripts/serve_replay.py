@@ -177,3 +177,10 @@ def parse_group_metrics(text: str) -> Tuple[Dict[str, float], Dict[str, Dict[str
                 counters.setdefault(group, {})[sample.name[len("tpserve:"):-len("_total")]] = \
                     sample.value
     return usage, counters
+
+
+def add_counts(into: Dict[str, int], counts: Dict[str, int]) -> Dict[str, int]:
+    """Adds ``counts`` into ``into`` key by key; returns ``into``."""
+    for key, n in counts.items():
+        into[key] = into.get(key, 0) + n
+    return into

@@ -218,7 +218,8 @@ def print_router_lines(meta: Dict[str, Any], checks: Dict[str, Optional[bool]]) 
     r = meta["router"]
     print(f"\nrouter decision time: p50 {r['router_decision_us_p50']} us, p99 "
           f"{r['router_decision_us_p99']} us over {r['num_router_decisions']} live decisions "
-          f"({r['router_decision_source']}); reasons {r['router_decisions_by_reason']}")
+          f"({r['router_decision_source']}); reasons {r['router_decisions_by_reason']}; "
+          f"away from a longer cached prefix {r.get('router_prefix_given_up', {})}")
     print(f"rank_groups and the prefix-index walk alone (this process, hot): p50 "
           f"{r['rank_groups_us_p50_2_groups']} us with 2 "
           f"groups, {r['rank_groups_us_p50_64_groups']} us with 64 (the router ranks fleets of "
@@ -244,6 +245,9 @@ def router_figures(kv_stats: Optional[Dict[str, Any]],
         if times else "rank_groups in this process, 2 groups (no live decisions recorded)",
         "num_router_decisions": len(times),
         "router_decisions_by_reason": kv_stats["counts"],
+        # decisions (by reason) to a group holding fewer of the request's blocks than another,
+        # and the blocks given up (<reason>_blocks)
+        "router_prefix_given_up": kv_stats.get("given_up", {}),
         "rank_groups_us_p50_2_groups": rank_us[2],
         "rank_groups_us_p50_64_groups": rank_us[64],
     }

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
-from serve_replay import RunResult
+from serve_replay import RunResult, add_counts
 from serve_report import ROUTER_LABELS, json_suffix
 
 ROUND_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms", "throughput_tok_s",
@@ -89,11 +89,11 @@ def _merge_router_stats(a: Optional[Dict[str, Any]],
     if b is None:
         return a
     if a is None:
-        return {**b, "times_us": list(b["times_us"]), "counts": dict(b["counts"])}
-    counts = dict(a["counts"])
-    for reason, n in b["counts"].items():
-        counts[reason] = counts.get(reason, 0) + n
-    return {**a, "times_us": a["times_us"] + b["times_us"], "counts": counts}
+        return {**b, "times_us": list(b["times_us"]), "counts": dict(b["counts"]),
+                "given_up": dict(b.get("given_up", {}))}
+    return {**a, "times_us": a["times_us"] + b["times_us"],
+            "counts": add_counts(dict(a["counts"]), b["counts"]),
+            "given_up": add_counts(dict(a.get("given_up", {})), b.get("given_up", {}))}
 
 
 def rounds_json(by_round: Sequence[Dict[str, Dict[str, Any]]],

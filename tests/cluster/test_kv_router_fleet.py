@@ -198,3 +198,28 @@ def test_exact_ties_go_to_the_group_given_the_least_work_not_the_first_by_id(ran
     serve.update([ServeStandIn(name, stats(9, 0, accepted_ids=["big"])) for name in names])
     order = serve.choose(request("r9", num_tokens=64))
     assert order[0] == (names[3] if num_groups > 3 else names[0]) and order[-1] == names[-1]
+
+
+@pytest.mark.parametrize("num_groups", [2, 30])
+def test_a_decision_away_from_the_longest_cached_prefix_is_counted_with_its_blocks(
+        ranking, serve, num_groups):
+    # g00 holds 6 of the request's 8 blocks but is full; the others hold none and are idle. The
+    # request goes elsewhere, giving up 6 cached blocks. The router counts what it sent there as
+    # cached: the same request again gives up none there, and 2 on g00.
+    system = list(range(1, 8 * 16 + 1))
+    hashes = extend_block_hashes([], system, 16)
+    serve.update([ServeStandIn("g00", stats(1, 99, cached_block_hashes=hashes[:6]))]
+                 + [ServeStandIn(f"g{k:02d}", stats(1, 0)) for k in range(1, num_groups)])
+    pending = request("away", num_tokens=8 * 16, block_size=16, block_hashes=hashes)
+    taker = serve.choose(pending)[0]
+    assert taker != "g00"
+    serve.router.on_request_routed(pending, ReplicaID(taker, DEPLOYMENT), None)
+    again = request("again", num_tokens=8 * 16, block_size=16, block_hashes=hashes)
+    serve.choose(again)
+    serve.router.on_request_routed(again, ReplicaID(taker, DEPLOYMENT), None)
+    assert serve.router.prefix_given_up() == {"decisions": {"under_target": 1},
+                                              "blocks": {"under_target": 6}}
+    back = request("back", num_tokens=8 * 16, block_size=16, block_hashes=hashes)
+    serve.choose(back)
+    serve.router.on_request_routed(back, ReplicaID("g00", DEPLOYMENT), None)
+    assert serve.router.prefix_given_up()["blocks"]["least_loaded"] == 2  # g00 is over target
