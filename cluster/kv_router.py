@@ -160,12 +160,14 @@ class _PendingDecision:
         return next((p.cached_prefix_blocks or 0 for p in placements or ()
                      if p.group_id == group_id), 0)
 
-    def longest_cached(self) -> int:
-        """The most leading request blocks any ranked group holds (0 without a ranking)."""
+    def longest_cached(self) -> Tuple[int, str]:
+        """The most leading request blocks any ranked group holds, and that group's reason
+        (the first such in rank order; (0, "") without a ranking)."""
         placements = self.placements
         if isinstance(placements, UniformRanking):
-            return placements.longest_cached_blocks()
-        return max((p.cached_prefix_blocks or 0 for p in placements or ()), default=0)
+            return placements.longest_cached()
+        best = max(placements or (), key=lambda p: p.cached_prefix_blocks or 0, default=None)
+        return (best.cached_prefix_blocks or 0, best.reason.value) if best else (0, "")
 
 
 class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -218,8 +220,9 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return dict(self._decision_counts)
 
     def prefix_given_up(self) -> Dict[str, Dict[str, int]]:
-        """By reason: ``decisions`` that placed a request on a group holding fewer of its leading
-        blocks than another group did, and the ``blocks`` so given up (summed)."""
+        """``decisions`` that placed a request on a group holding fewer of its leading blocks than
+        another group did, and the ``blocks`` so given up (summed), by ``<reason>_from_<reason>``:
+        the chosen group's reason, then that of the group holding the most."""
         with self._stats_lock:
             return {"decisions": dict(self._prefix_left),
                     "blocks": dict(self._prefix_blocks_left)}
@@ -427,13 +430,14 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             tracker.num_tokens_accepted += tokens
         if decision.block_hashes:
             tracker.note_routed(decision.block_hashes, now)
-        given_up = (decision.longest_cached() - decision.cached_on(replica_id.unique_id)
-                    if decision.placements is not None else 0)
+        longest, home = decision.longest_cached()
+        given_up = longest - decision.cached_on(replica_id.unique_id)
+        key = f"{reason}_from_{home}"  # where it went, and where the longest prefix was
         with self._stats_lock:
             self._decision_counts[reason] += 1
             if given_up > 0:
-                self._prefix_left[reason] += 1
-                self._prefix_blocks_left[reason] += given_up
+                self._prefix_left[key] += 1
+                self._prefix_blocks_left[key] += given_up
         # Move the kept loads now, after the request went out, rather than in the next decision.
         fleet = self._fleet_cache
         if fleet is not None and self._changed and fleet.holds_until(

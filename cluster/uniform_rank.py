@@ -100,9 +100,14 @@ class UniformRanking(Sequence[Placement]):
                 return self._prefix.get(i, self._base)
         return 0
 
-    def longest_cached_blocks(self) -> int:
-        """The most leading request blocks any ranked group holds."""
-        return max(self._prefix.values(), default=self._base) if self.order else 0
+    def longest_cached(self) -> Tuple[int, str]:
+        """The most leading request blocks any ranked group holds, and that group's reason
+        (the first such in rank order)."""
+        if not self.order:
+            return 0, ""
+        held = max(self._prefix.values(), default=self._base)
+        first = next(i for i in self.order if self._prefix.get(i, self._base) == held)
+        return held, self._placement(first).reason.value
 
     def tied_with_first(self) -> int:
         """`cluster.placement.tied_with_first` of this ranking, read from the committed blocks

@@ -217,9 +217,9 @@ def test_a_decision_away_from_the_longest_cached_prefix_is_counted_with_its_bloc
     again = request("again", num_tokens=8 * 16, block_size=16, block_hashes=hashes)
     serve.choose(again)
     serve.router.on_request_routed(again, ReplicaID(taker, DEPLOYMENT), None)
-    assert serve.router.prefix_given_up() == {"decisions": {"under_target": 1},
-                                              "blocks": {"under_target": 6}}
+    away = "under_target_from_least_loaded"  # g00 (99 + 2 of 100) is past the target
+    assert serve.router.prefix_given_up() == {"decisions": {away: 1}, "blocks": {away: 6}}
     back = request("back", num_tokens=8 * 16, block_size=16, block_hashes=hashes)
     serve.choose(back)
     serve.router.on_request_routed(back, ReplicaID("g00", DEPLOYMENT), None)
-    assert serve.router.prefix_given_up()["blocks"]["least_loaded"] == 2  # g00 is over target
+    assert serve.router.prefix_given_up()["blocks"]["least_loaded_from_under_target_prefix"] == 2
