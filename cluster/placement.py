@@ -49,28 +49,38 @@ block there. Projected occupancy = (the group's committed blocks + that demand) 
    runs its hit rate was 0.496 against the weighted score's 0.552 (one pool held what two
    could); over three same-run pairs the hit rates were 0.554/0.552, 0.554/0.518, 0.496/0.552
    and TTFT p99 differed both ways, within this host's noise.
-2. Fresh groups over the target, by the lowest projected occupancy, then group id: when no group
-   has room, the least-loaded one takes the request (the engine queues or preempts there).
-   Charging every group the whole request (the policy before) made the group holding a
-   conversation look as full as the others once both neared the target: on the serving
-   benchmark's multi-turn workload (``--min-turns 3 --seed 1``) 17 of 80 decisions were
+2. Fresh groups over the target whose pool still holds the request (projected occupancy at most
+   1.0), by the same score with the load measured against the whole pool (``scale`` 1.0), then
+   the lowest projected occupancy, then group id. The load scores of such groups differ by at
+   most 2 x 0.3, so a conversation stays with its history unless the history is a small part of
+   the request; new conversations (every group holding the base) go to the least-loaded group.
+   This tier was ranked by projected occupancy alone (the mission's "least loaded when none is
+   under the target"): a request left its history whenever another group's committed blocks
+   were lower by more than the history, and its re-prefill raised the load further:
+   ISSUE-15-FIGURES. (Before that, every group was charged the whole request, so the group
+   holding a conversation looked as full as the others once both neared the target: on the
+   serving benchmark's multi-turn workload, ``--min-turns 3 --seed 1``, 17 of 80 decisions were
    "least loaded", each a coin toss for the conversation's history; hit rate 0.633 against
-   Serve's prefix-affinity router's 0.812, TTFT p99 3.5 s against 2.0 s.
-   Groups that tie on every key but the group id (idle groups with equal reports, asked to
-   place a new conversation) are told apart by the router, not here: it sends the request to
-   the one of them it gave the fewest tokens so far (`tied_with_first`, `cluster.kv_router`).
-   By group id alone, every new conversation that came while the groups were idle went to the
-   first group: on the serving benchmark (README) 13 of 13 such decisions in two runs, 6-7 of
-   about 38 new conversations a run, one group's pool holding more histories than the other's.
-3. Groups whose report is stale (older than ``max_report_age_s``), by the same key as 2. A report
+   Serve's prefix-affinity router's 0.812, TTFT p99 3.5 s against 2.0 s.)
+3. Fresh groups whose pool does not hold the request (projected occupancy over 1.0), by the
+   lowest projected occupancy, then group id: the least-loaded one takes the request (the
+   engine queues or preempts there).
+4. Groups whose report is stale (older than ``max_report_age_s``), by the same key as 3. A report
    that stopped arriving means the replica or its stats path is stuck, so its numbers are never
    trusted to show room; such a group stays a last resort rather than vanishing (Serve's own
    queue-length check still guards it).
 
+Groups that tie on every key but the group id (idle groups with equal reports, asked to place a
+new conversation) are told apart by the router, not here: it sends the request to the one of
+them it gave the fewest tokens so far (`tied_with_first`, `cluster.kv_router`). By group id
+alone, every new conversation that came while the groups were idle went to the first group: on
+the serving benchmark (README) 13 of 13 such decisions in two runs, 6-7 of about 38 new
+conversations a run, one group's pool holding more histories than the other's.
+
 Cost: O(G log G) for G groups, plus one set lookup per leading cached block, for fresh groups
 only (a group that lacks the request's first block costs one lookup); given the groups' prefix
 lengths (the router's `cluster.prefix_index.PrefixIndex`), one dict lookup per group instead.
-The score adds one pass over the under-target groups.
+The scores add one pass over the groups of 1 and one over those of 2.
 """
 
 from __future__ import annotations
@@ -92,6 +102,7 @@ DEFAULT_QUEUE_WEIGHT = 0.0  # the pending-tokens score (llm-d's queue scorer); 0
 # the under-target groups: relative load) or "target" (the occupancy target: headroom).
 LOAD_SCALES = ("highest", "target")
 DEFAULT_LOAD_SCALE = "highest"
+FULL_OCCUPANCY = 1.0  # a pool with all its blocks committed: past it the request does not fit
 
 
 def _num_blocks(num_tokens: int, block_size: int) -> int:
@@ -218,7 +229,9 @@ class PlacementReason(str, enum.Enum):
 
     UNDER_TARGET_PREFIX = "under_target_prefix"  # fits under target and has part of the prefix
     UNDER_TARGET = "under_target"  # fits under target, nothing of the prefix cached
-    LEAST_LOADED = "least_loaded"  # over target: ranked by load alone
+    OVER_TARGET_PREFIX = "over_target_prefix"  # over target, fits the pool, has part of the prefix
+    OVER_TARGET = "over_target"  # over target, fits the pool, nothing of the prefix cached
+    LEAST_LOADED = "least_loaded"  # over the pool: ranked by load alone
     STALE_REPORT = "stale_report"  # its report is too old to trust
 
 
@@ -281,16 +294,18 @@ def rank_groups(
     num_hashes = len(hashes)
     first_hash = hashes[0] if hashes else None
     # [tier, -score, projected occupancy, group id, cached prefix blocks, pending tokens (0
-    # without a queue weight)]; tier 0: fresh and under target, 1: fresh and over, 2: stale.
-    # Scores are set once the under-target groups' highest occupancy is known.
+    # without a queue weight)]; tier 0: fresh and under target, 1: fresh, over target, in the
+    # pool, 2: fresh and over the pool, 3: stale. Scores are set once the under-target groups'
+    # highest occupancy is known.
     entries: List[list] = []
     under: List[list] = []
+    over: List[list] = []
     for load in loads:
         # GroupLoad.projected_occupancy, inlined: this loop is the router's per-request cost.
         num_blocks = -(-num_tokens // load.block_size)
         if load.report_age_s > max_report_age_s:
             occupancy = (load._num_blocks_committed + num_blocks) / load.num_blocks_total
-            entries.append([2, 0.0, occupancy, load.group_id, None, 0])
+            entries.append([3, 0.0, occupancy, load.group_id, None, 0])
             continue
         # GroupLoad.num_cached_prefix_blocks, inlined; a group that lacks the first block costs
         # one lookup.
@@ -306,18 +321,23 @@ def rank_groups(
         occupancy = (load._num_blocks_committed + num_blocks - prefix) / load.num_blocks_total
         pending = (load.num_waiting_tokens + load.num_tokens_sent_since_report
                    if queue_weight else 0)
-        entry = [0 if occupancy <= target_occupancy else 1, 0.0, occupancy, load.group_id, prefix,
-                 pending]
+        entry = [0, 0.0, occupancy, load.group_id, prefix, pending]
         entries.append(entry)
         if occupancy <= target_occupancy:
             under.append(entry)
+        elif occupancy <= FULL_OCCUPANCY:
+            entry[0] = 1
+            over.append(entry)
+        else:
+            entry[0] = 2
     if len({entry[3] for entry in entries}) != len(entries):
         raise ValueError("rank_groups: loads must have distinct group ids")
     # The prefix score counts what tells the groups apart: the blocks past the fewest any fresh
     # group holds (a shared system prompt every group has cached counts for none).
-    base = min((entry[4] for entry in entries if entry[0] < 2), default=0)
+    base = min((entry[4] for entry in entries if entry[0] < 3), default=0)
     _score(under, num_hashes - base, prefix_weight, load_weight, queue_weight,
            target_occupancy if load_scale == "target" else None)
+    _score(over, num_hashes - base, prefix_weight, load_weight, queue_weight, FULL_OCCUPANCY)
     # Stable sorts from the last key to the first: each sorts on one plain str, float or int,
     # which CPython compares several times faster than whole lists.
     for key in _SORT_KEYS:
@@ -331,19 +351,19 @@ def rank_groups(
     ]
 
 
-def _score(under: List[list], num_blocks: int, prefix_weight: float, load_weight: float,
+def _score(tier: List[list], num_blocks: int, prefix_weight: float, load_weight: float,
            queue_weight: float, scale: Optional[float]) -> None:
-    """Sets each under-target entry's -score (see the module doc); ``num_blocks``: the request's
-    full blocks past the fewest any fresh group holds; ``scale``: what occupancy is divided by
-    (None: the highest of ``under``)."""
-    if not under:
+    """Sets the -score of each entry of one scored tier (see the module doc); ``num_blocks``:
+    the request's full blocks past the fewest any fresh group holds; ``scale``: what occupancy
+    is divided by (None: the highest of ``tier``)."""
+    if not tier:
         return
     per_block = prefix_weight / num_blocks if num_blocks else 0.0
-    highest = max(entry[2] for entry in under) if scale is None else scale
+    highest = max(entry[2] for entry in tier) if scale is None else scale
     per_occupancy = load_weight / highest if highest > 0 else 0.0
-    longest = max(entry[5] for entry in under) if queue_weight else 0
+    longest = max(entry[5] for entry in tier) if queue_weight else 0
     per_pending = queue_weight / longest if longest > 0 else 0.0
-    for entry in under:
+    for entry in tier:
         entry[1] = (per_occupancy * entry[2] + per_pending * entry[5] - per_block * entry[4]
                     - load_weight - queue_weight)
 
@@ -352,6 +372,7 @@ _SORT_KEYS = (itemgetter(3), itemgetter(2), itemgetter(1), itemgetter(0))
 # _REASONS[tier][has cached prefix]
 _REASONS = (
     (PlacementReason.UNDER_TARGET, PlacementReason.UNDER_TARGET_PREFIX),
+    (PlacementReason.OVER_TARGET, PlacementReason.OVER_TARGET_PREFIX),
     (PlacementReason.LEAST_LOADED, PlacementReason.LEAST_LOADED),
     (PlacementReason.STALE_REPORT, PlacementReason.STALE_REPORT),
 )

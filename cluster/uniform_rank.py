@@ -7,9 +7,10 @@ size, every report is fresh and the queue score is off (``queue_weight`` 0):
 
 * A group's key is (tier, -score, projected occupancy, group id). Groups that hold the same
   number of the request's leading blocks differ in their key only through their committed blocks
-  (the occupancy, and the load score, grow with them); so among the groups holding the *base*
-  prefix (the fewest leading blocks any group holds: 0, or a system prompt every group caches),
-  the ranking is their order by committed blocks, then group id: under-target ones first.
+  (the occupancy, the tier and the load score grow with them); so among the groups holding the
+  *base* prefix (the fewest leading blocks any group holds: 0, or a system prompt every group
+  caches), the ranking is their order by committed blocks, then group id: under-target ones
+  first, then those over the target that hold the request, then the rest.
 * Only the groups that hold more than the base (a conversation's own history: a few) need a
   score of their own; each is inserted into that order by binary search.
 
@@ -33,7 +34,7 @@ from bisect import bisect_left, insort
 from operator import attrgetter
 from typing import Dict, Iterator, List, Mapping, Sequence, Tuple
 
-from cluster.placement import _REASONS, GroupLoad, Placement, RequestDemand
+from cluster.placement import _REASONS, FULL_OCCUPANCY, GroupLoad, Placement, RequestDemand
 
 _TOTAL = attrgetter("num_blocks_total")
 _BLOCK_SIZE = attrgetter("block_size")
@@ -126,7 +127,7 @@ class UniformRanking(Sequence[Placement]):
     def _placement(self, i: int) -> Placement:
         prefix = self._prefix.get(i, self._base)
         occupancy = (self._committed[i] + self._num_blocks - prefix) / self._total
-        tier = 0 if occupancy <= self._target else 1
+        tier = 0 if occupancy <= self._target else 1 if occupancy <= FULL_OCCUPANCY else 2
         return Placement(self._loads[i].group_id, _REASONS[tier][bool(prefix)], occupancy, prefix)
 
 
@@ -185,12 +186,16 @@ def rank_uniform(
                 highest = occupancy
     per_block = prefix_weight / (num_hashes - base) if num_hashes > base else 0.0
     per_occupancy = load_weight / highest if highest > 0 else 0.0
+    per_occupancy_over = load_weight / FULL_OCCUPANCY  # over the target: the whole pool's share
 
     def key(i: int, held: int) -> Tuple[int, float, float, str]:  # rank_groups' sort key
         occupancy = (committed[i] + num_blocks - held) / total
-        if occupancy > target:
-            return 1, 0.0, occupancy, loads[i].group_id
+        if occupancy > FULL_OCCUPANCY:
+            return 2, 0.0, occupancy, loads[i].group_id
         # _score's expression, with the queue term (0.0 * 0) in place
+        if occupancy > target:
+            score = per_occupancy_over * occupancy + 0.0 * 0 - per_block * held - load_weight - 0.0
+            return 1, score, occupancy, loads[i].group_id
         score = per_occupancy * occupancy + 0.0 * 0 - per_block * held - load_weight - 0.0
         return 0, score, occupancy, loads[i].group_id
 

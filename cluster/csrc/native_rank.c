@@ -33,6 +33,7 @@
 #define MAX_GROUPS 64
 #define STATE_FIELDS 13
 #define WALK_CHUNK 16
+#define FULL_OCCUPANCY 1.0 /* cluster.placement.FULL_OCCUPANCY */
 
 typedef struct {
     int tier;
@@ -178,14 +179,17 @@ static Key key_of(const State *s, long i, long held, long num_blocks, double per
     Key key;
     key.occupancy = occupancy_of(s, i, num_blocks, held);
     key.tie = item_long(s->tie, i);
-    if (key.occupancy > s->target) {
-        key.tier = 1;
+    if (key.occupancy > FULL_OCCUPANCY) {
+        key.tier = 2;
         key.score = 0.0;
-    } else {  /* rank_uniform's expression, term for term */
-        key.tier = 0;
-        key.score = per_occupancy * key.occupancy + 0.0 - per_block * (double)held
-                    - s->load_weight - 0.0;
+        return key;
     }
+    key.tier = key.occupancy > s->target;
+    if (key.tier)  /* over the target: the load's share of the whole pool */
+        per_occupancy = s->load_weight / FULL_OCCUPANCY;
+    /* rank_uniform's expression, term for term */
+    key.score = per_occupancy * key.occupancy + 0.0 - per_block * (double)held
+                - s->load_weight - 0.0;
     return key;
 }
 

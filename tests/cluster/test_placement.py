@@ -74,7 +74,7 @@ def test_under_target_group_comes_first_even_when_busier_one_sorts_first_by_id()
     placements = rank_groups(demand(5 * BS), [load("a", 70), load("b", 45)])
     assert placements == [
         Placement("b", R.UNDER_TARGET, 0.50, 0),
-        Placement("a", R.LEAST_LOADED, 0.75, 0),
+        Placement("a", R.OVER_TARGET, 0.75, 0),
     ]
 
 
@@ -84,11 +84,11 @@ def test_exactly_at_target_counts_as_under():
     placements = rank_groups(demand(5 * BS), [over, at_target])
     assert [(p.group_id, p.reason) for p in placements] == [
         ("at", R.UNDER_TARGET),
-        ("over", R.LEAST_LOADED),
+        ("over", R.OVER_TARGET),
     ]
     assert placements[0].projected_occupancy == 0.70
     # One token more needs a sixth block: now both are over.
-    assert rank_groups(demand(5 * BS + 1), [at_target])[0].reason is R.LEAST_LOADED
+    assert rank_groups(demand(5 * BS + 1), [at_target])[0].reason is R.OVER_TARGET
 
 
 @pytest.mark.parametrize("total", [10, 20, 50, 100, 1000, 4000])
@@ -100,11 +100,30 @@ def test_exactly_at_target_holds_for_every_pool_size(total):
 
 
 def test_when_every_group_is_over_target_the_least_loaded_goes_first():
-    loads = [load("a", 95), load("b", 80), load("c", 99)]
+    # Nothing cached: over the target the score is the load alone; past a full pool, too.
+    loads = [load("a", 95), load("b", 80), load("c", 99), load("d", 100)]
     placements = rank_groups(demand(2 * BS), loads)
-    assert ids(placements) == ["b", "a", "c"]
-    assert {p.reason for p in placements} == {R.LEAST_LOADED}
-    assert [p.projected_occupancy for p in placements] == [0.82, 0.97, 1.01]
+    assert [(p.group_id, p.reason, p.projected_occupancy) for p in placements] == [
+        ("b", R.OVER_TARGET, 0.82), ("a", R.OVER_TARGET, 0.97), ("c", R.LEAST_LOADED, 1.01),
+        ("d", R.LEAST_LOADED, 1.02)]
+
+
+def test_over_target_a_conversation_stays_with_its_history_while_its_pool_holds_the_request():
+    """Ranked by load alone over the target, a turn left its history for a group whose committed
+    blocks were lower by more than the history (here 72 + 10 against 88 + 2 of 100), and its
+    re-prefill raised the load further (README: the serving benchmark at load 1.0). Now the
+    history's group keeps it until the request no longer fits its pool."""
+    hashes = extend_block_hashes([], list(range(8 * BS)), BS)
+    request = demand(10 * BS, hashes)
+    loads = [load("a_cold", 72), load("b_history", 88, cached=hashes)]
+    assert [(p.group_id, p.reason, p.projected_occupancy) for p in rank_groups(request, loads)] == [
+        ("b_history", R.OVER_TARGET_PREFIX, 0.90), ("a_cold", R.OVER_TARGET, 0.82)]
+    # 99 + 2: the history's pool no longer holds the request: the least loaded takes it.
+    loads = [load("a_cold", 72), load("b_history", 99, cached=hashes)]
+    assert [(p.group_id, p.reason) for p in rank_groups(request, loads)] == [
+        ("a_cold", R.OVER_TARGET), ("b_history", R.LEAST_LOADED)]
+    # A new conversation (nothing cached anywhere) goes to the least loaded.
+    assert ids(rank_groups(demand(10 * BS, [7, 8]), [load("b", 88), load("a", 72)])) == ["a", "b"]
 
 
 def test_ties_break_by_group_id_whatever_the_input_order():
@@ -129,7 +148,7 @@ def test_stale_report_ranks_after_every_fresh_group_even_an_over_target_one():
     placements = rank_groups(demand(BS), loads, max_report_age_s=5.0)
     assert [(p.group_id, p.reason) for p in placements] == [
         ("ok", R.UNDER_TARGET),
-        ("busy", R.LEAST_LOADED),
+        ("busy", R.OVER_TARGET),
         ("stale_empty", R.STALE_REPORT),
     ]
 
@@ -168,8 +187,8 @@ def test_a_burst_between_two_reports_spills_over_once_a_group_reaches_target():
     # The next request fits nowhere under target: least loaded, and the two are tied.
     placements = rank_groups(demand(10 * BS), list(loads.values()))
     assert [(p.group_id, p.reason) for p in placements] == [
-        ("a", R.LEAST_LOADED),
-        ("b", R.LEAST_LOADED),
+        ("a", R.OVER_TARGET),
+        ("b", R.OVER_TARGET),
     ]
 
 
@@ -200,10 +219,13 @@ def test_prefix_does_not_lift_an_over_target_group_above_an_under_target_one():
     placements = rank_groups(demand(6 * BS, hashes), loads)
     assert [(p.group_id, p.reason, p.projected_occupancy) for p in placements] == [
         ("cold", R.UNDER_TARGET, 0.66),
-        ("cached_but_full", R.LEAST_LOADED, 0.71),
+        ("cached_but_full", R.OVER_TARGET_PREFIX, 0.71),
     ]
-    # When every group is over target, load alone decides; 90 + 2 against 80 + 6.
+    # When every group is over target, the prefix counts again while the pool holds the
+    # request (90 + 2 against 80 + 6), and no longer past it (99 + 2).
     loads = [load("cached_but_full", 90, cached=hashes), load("cold", 80)]
+    assert ids(rank_groups(demand(6 * BS, hashes), loads)) == ["cached_but_full", "cold"]
+    loads = [load("cached_but_full", 99, cached=hashes), load("cold", 80)]
     assert ids(rank_groups(demand(6 * BS, hashes), loads)) == ["cold", "cached_but_full"]
 
 
@@ -217,10 +239,10 @@ def test_cached_blocks_take_no_new_blocks_so_they_do_not_count_against_the_targe
     placements = rank_groups(request, loads)
     assert [(p.group_id, p.projected_occupancy, p.cached_prefix_blocks) for p in placements] == [
         ("b_history", 0.62, 8), ("a_cold", 0.70, 0)]
-    # Both over target: the history's group is the less loaded one by what it must add.
+    # Both over target: the history's group still comes first.
     loads = [load("a_cold", 75), load("b_history", 80, cached=hashes)]
     assert [(p.group_id, p.reason) for p in rank_groups(request, loads)] == [
-        ("b_history", R.LEAST_LOADED), ("a_cold", R.LEAST_LOADED)]
+        ("b_history", R.OVER_TARGET_PREFIX), ("a_cold", R.OVER_TARGET)]
 
 
 def test_only_leading_blocks_count_and_block_sizes_must_match():
@@ -321,8 +343,12 @@ def test_ranking_properties(scenario):
     if fresh_under:
         assert placements[0].reason in (R.UNDER_TARGET, R.UNDER_TARGET_PREFIX)
         assert placements[0].projected_occupancy <= TARGET
-    tiers = {R.UNDER_TARGET_PREFIX: 0, R.UNDER_TARGET: 0, R.LEAST_LOADED: 1, R.STALE_REPORT: 2}
+    tiers = {R.UNDER_TARGET_PREFIX: 0, R.UNDER_TARGET: 0, R.OVER_TARGET_PREFIX: 1,
+             R.OVER_TARGET: 1, R.LEAST_LOADED: 2, R.STALE_REPORT: 3}
     assert [tiers[p.reason] for p in placements] == sorted(tiers[p.reason] for p in placements)
+    for p in placements:  # over the target: in the pool, or past it
+        if tiers[p.reason] in (1, 2):
+            assert (TARGET < p.projected_occupancy <= 1.0) == (tiers[p.reason] == 1)
     for p in placements:
         group = by_id[p.group_id]
         assert p.projected_occupancy == occupancy(group)
@@ -331,27 +357,30 @@ def test_ranking_properties(scenario):
         else:
             assert p.cached_prefix_blocks == min(_naive_prefix(group, request),
                                                  -(-request.num_tokens // group.block_size))
-        if p.reason in (R.UNDER_TARGET, R.UNDER_TARGET_PREFIX):
-            assert (p.reason is R.UNDER_TARGET_PREFIX) == (p.cached_prefix_blocks > 0)
-    # Within a tier: higher score first (under target), then lower occupancy, then id.
+        if tiers[p.reason] < 2:
+            assert (p.reason in (R.UNDER_TARGET_PREFIX, R.OVER_TARGET_PREFIX)) == (
+                p.cached_prefix_blocks > 0)
+    # Within a tier: higher score first (under target: the load against the highest occupancy
+    # of the tier; over it: against the whole pool), then lower occupancy, then id.
     under = [p.projected_occupancy for p in placements if tiers[p.reason] == 0]
+    scale = (max(under, default=0.0), 1.0)
     keys = [
         (tiers[p.reason],
-         _naive_score(p, request, max(under, default=0.0)) if tiers[p.reason] == 0 else 0.0,
+         _naive_score(p, request, scale[tiers[p.reason]]) if tiers[p.reason] < 2 else 0.0,
          p.projected_occupancy, p.group_id)
         for p in placements
     ]
     assert keys == sorted(keys, key=lambda k: (k[0], round(k[1], 9), k[2], k[3]))
     # Without a load weight: the strict order, longer prefix first.
     strict = rank_groups(request, loads, TARGET, max_report_age_s=5.0, load_weight=0.0)
-    keys = [(tiers[p.reason], -p.cached_prefix_blocks if tiers[p.reason] == 0 else 0,
+    keys = [(tiers[p.reason], -p.cached_prefix_blocks if tiers[p.reason] < 2 else 0,
              p.projected_occupancy,
              p.group_id) for p in strict]
     assert keys == sorted(keys)
 
 
 def _naive_score(p: Placement, request: RequestDemand, highest: float) -> float:
-    """-(3 x prefix fraction + 2 x (1 - occupancy / highest)) for under-target groups."""
+    """-(3 x prefix fraction + 2 x (1 - occupancy / highest)) for groups of a scored tier."""
     if p.cached_prefix_blocks is None:
         return 0.0
     prefix = p.cached_prefix_blocks / len(request.block_hashes) if request.block_hashes else 0
