@@ -5,7 +5,8 @@ request the whole remaining context pushes each group over the occupancy target 
 them, and soon past a full pool, where the router no longer counts cached prefixes
 (`cluster.placement`). So the charge is a high quantile of the output lengths of recently
 finished requests (one model per ingress), bounded by the request's ``max_tokens``; a prior
-holds until enough requests have finished. The charge is only a bridge: once the group's next report lists the request, its real KV use replaces it.
+holds until enough requests have finished. The charge is only a bridge: once the group's next
+report lists the request, its real KV use replaces it.
 """
 
 from __future__ import annotations
