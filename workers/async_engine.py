@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from kv.kv_manager import KVUsage
+from kv.prefix_hash import extend_block_hashes
 from workers.engine import LLMEngine, RequestOutput
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
@@ -54,12 +55,19 @@ _Command = Tuple[str, tuple, Optional[Future]]
 
 
 def uncomputed_tokens(sched: Scheduler) -> int:
-    """Tokens the scheduler's requests have yet to compute that hold no KV block yet: all of a
-    waiting request's, and the rest of the prompt of a running one still prefilling in chunks
-    (its blocks grow chunk by chunk). A loading request's blocks are held for what it restores."""
-    return (sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-            + sum(r.num_prompt_tokens - r.num_computed_tokens for r in sched.running
-                  if r.num_computed_tokens < r.num_prompt_tokens))
+    """Tokens the scheduler's requests have yet to compute that hold no KV block yet: a waiting
+    request's past the leading blocks the pool has cached for it (they take no new block, as
+    the router charges it), and the rest of the prompt of a running one still prefilling in
+    chunks (its blocks grow chunk by chunk). A loading request's blocks are held for what it
+    restores. Runs on the engine thread (between steps): one prefix lookup per waiting
+    request, the hashes kept on the request for its admission."""
+    kv, waiting = sched.kv, 0
+    for r in sched.waiting:
+        extend_block_hashes(r.block_hashes, r.all_token_ids, kv.block_size)
+        cached = kv.find_cached_prefix(r.all_token_ids, r.block_hashes).num_tokens
+        waiting += r.num_tokens - max(r.num_computed_tokens, cached)
+    return waiting + sum(r.num_prompt_tokens - r.num_computed_tokens for r in sched.running
+                         if r.num_computed_tokens < r.num_prompt_tokens)
 
 
 class AsyncLLMEngine:
