@@ -13,9 +13,11 @@ A request's demand on a group is its blocks (prompt plus expected output) less t
 prompt blocks that group has cached (or was lately sent, see ``GroupLoad``): those take no new
 block there. Projected occupancy = (the group's committed blocks + that demand) / its pool.
 
-1. Fresh groups whose projected occupancy with the request stays at or under the target, by the
-   highest score, then the lowest projected occupancy, then group id. The score is a weighted
-   sum of a prefix score and a load score (as llm-d's scorers), each in [0, 1]:
+1. Fresh groups whose projected occupancy with the request stays at or under the target, and
+   those holding a history of it (`is_history`: over half of the request's blocks past the base,
+   below) whose pool still holds it (projected occupancy at most 1.0), by the highest score, then
+   the lowest projected occupancy, then group id. The score is a weighted sum of a prefix score
+   and a load score (as llm-d's scorers), each in [0, 1]:
 
        prefix_weight * (cached prefix blocks - base) / (the request's full blocks - base)
      + load_weight * (1 - projected occupancy / scale)
@@ -49,18 +51,16 @@ block there. Projected occupancy = (the group's committed blocks + that demand) 
    runs its hit rate was 0.496 against the weighted score's 0.552 (one pool held what two
    could); over three same-run pairs the hit rates were 0.554/0.552, 0.554/0.518, 0.496/0.552
    and TTFT p99 differed both ways, within this host's noise.
-2. Fresh groups over the target whose pool still holds the request (projected occupancy at most
-   1.0), by the same score with the load measured against the whole pool (``scale`` 1.0), then
-   the lowest projected occupancy, then group id. The load scores of such groups differ by at
-   most 2 x 0.3, so a conversation stays with its history unless the history is a small part of
-   the request; new conversations (every group holding the base) go to the least-loaded group.
-   This tier was ranked by projected occupancy alone (the mission's "least loaded when none is
-   under the target"): a request left its history whenever another group's committed blocks
-   were lower by more than the history, and its re-prefill raised the load further:
-   ISSUE-15-FIGURES. (Before that, every group was charged the whole request, so the group
-   holding a conversation looked as full as the others once both neared the target: on the
-   serving benchmark's multi-turn workload, ``--min-turns 3 --seed 1``, 17 of 80 decisions were
-   "least loaded", each a coin toss for the conversation's history; hit rate 0.633 against
+2. The other fresh groups over the target whose pool still holds the request, by the same
+   score with the load measured against the whole pool (``scale`` 1.0): the load scores differ
+   by at most 2 x 0.3, so a group holding part of the request comes first, otherwise the least
+   loaded. A prefix that is a small part of the request (a system prompt one busy group has
+   cached) does not pull requests over the target: only a history does.
+   Why a history's group over the target ranks with those under it (1.): ISSUE-15-FIGURES
+   (Before the cached prefix was subtracted from the demand, every group was charged the whole
+   request, so the group holding a conversation looked as full as the others once both neared
+   the target: on the serving benchmark's multi-turn workload, ``--min-turns 3 --seed 1``, 17 of
+   80 decisions were "least loaded", each a coin toss for the history; hit rate 0.633 against
    Serve's prefix-affinity router's 0.812, TTFT p99 3.5 s against 2.0 s.)
 3. Fresh groups whose pool does not hold the request (projected occupancy over 1.0), by the
    lowest projected occupancy, then group id: the least-loaded one takes the request (the
@@ -248,6 +248,13 @@ class Placement(NamedTuple):
     cached_prefix_blocks: Optional[int]
 
 
+def is_history(held: int, base: int, num_blocks: int) -> bool:
+    """Whether a group holding ``held`` of a request's ``num_blocks`` blocks holds its history:
+    over half of the blocks past ``base`` (the fewest any group holds). Such a group ranks with
+    the groups under the target while its pool holds the request (module doc, 1.)."""
+    return 2 * (held - base) > num_blocks - base
+
+
 def tied_with_first(placements: Sequence[Placement]) -> int:
     """How many of the leading ``placements`` tie with the first: the same reason, projected
     occupancy and cached prefix blocks, so that ``rank_groups`` ordered them by group id alone
@@ -300,12 +307,14 @@ def rank_groups(
     entries: List[list] = []
     under: List[list] = []
     over: List[list] = []
+    request_blocks: List[int] = []  # per entry: the request's blocks at its group's block size
     for load in loads:
         # GroupLoad.projected_occupancy, inlined: this loop is the router's per-request cost.
         num_blocks = -(-num_tokens // load.block_size)
         if load.report_age_s > max_report_age_s:
             occupancy = (load._num_blocks_committed + num_blocks) / load.num_blocks_total
             entries.append([3, 0.0, occupancy, load.group_id, None, 0])
+            request_blocks.append(num_blocks)
             continue
         # GroupLoad.num_cached_prefix_blocks, inlined; a group that lacks the first block costs
         # one lookup.
@@ -321,20 +330,25 @@ def rank_groups(
         occupancy = (load._num_blocks_committed + num_blocks - prefix) / load.num_blocks_total
         pending = (load.num_waiting_tokens + load.num_tokens_sent_since_report
                    if queue_weight else 0)
-        entry = [0, 0.0, occupancy, load.group_id, prefix, pending]
-        entries.append(entry)
-        if occupancy <= target_occupancy:
+        entries.append([0, 0.0, occupancy, load.group_id, prefix, pending])
+        request_blocks.append(num_blocks)
+    if len({entry[3] for entry in entries}) != len(entries):
+        raise ValueError("rank_groups: loads must have distinct group ids")
+    # The prefix score counts what tells the groups apart: the blocks past the fewest any fresh
+    # group holds (a shared system prompt every group has cached counts for none).
+    base = min((entry[4] for entry in entries if entry[0] < 3), default=0)
+    for entry, num_blocks in zip(entries, request_blocks):
+        if entry[0] == 3:
+            continue
+        occupancy = entry[2]
+        if occupancy <= target_occupancy or (occupancy <= FULL_OCCUPANCY
+                                             and is_history(entry[4], base, num_blocks)):
             under.append(entry)
         elif occupancy <= FULL_OCCUPANCY:
             entry[0] = 1
             over.append(entry)
         else:
             entry[0] = 2
-    if len({entry[3] for entry in entries}) != len(entries):
-        raise ValueError("rank_groups: loads must have distinct group ids")
-    # The prefix score counts what tells the groups apart: the blocks past the fewest any fresh
-    # group holds (a shared system prompt every group has cached counts for none).
-    base = min((entry[4] for entry in entries if entry[0] < 3), default=0)
     _score(under, num_hashes - base, prefix_weight, load_weight, queue_weight,
            target_occupancy if load_scale == "target" else None)
     _score(over, num_hashes - base, prefix_weight, load_weight, queue_weight, FULL_OCCUPANCY)
@@ -345,8 +359,10 @@ def rank_groups(
     # Placement's own constructor is a Python-level call; tuple.__new__ (what namedtuple's
     # _make uses) builds the same object for a third of the cost, and this runs per group.
     new = tuple.__new__
+    # A history's group over the target ranks with those under it but says where it is.
     return [
-        new(Placement, (group_id, _REASONS[tier][bool(prefix)], occupancy, prefix))
+        new(Placement, (group_id, _REASONS[tier or occupancy > target_occupancy][bool(prefix)],
+                        occupancy, prefix))
         for tier, _, occupancy, group_id, prefix, _ in entries
     ]
 

@@ -12,7 +12,8 @@ size, every report is fresh and the queue score is off (``queue_weight`` 0):
   caches), the ranking is their order by committed blocks, then group id: under-target ones
   first, then those over the target that hold the request, then the rest.
 * Only the groups that hold more than the base (a conversation's own history: a few) need a
-  score of their own; each is inserted into that order by binary search.
+  score of their own (a history, `cluster.placement.is_history`, is scored as under the target
+  while its pool holds the request); each is inserted into that order by binary search.
 
 That order does not depend on the request, so it is kept between decisions (`CommittedOrder`,
 one per `cluster.load_report.FleetLoads`, moved one group at a time as charges change it): a
@@ -34,7 +35,8 @@ from bisect import bisect_left, insort
 from operator import attrgetter
 from typing import Dict, Iterator, List, Mapping, Sequence, Tuple
 
-from cluster.placement import _REASONS, FULL_OCCUPANCY, GroupLoad, Placement, RequestDemand
+from cluster.placement import (_REASONS, FULL_OCCUPANCY, GroupLoad, Placement, RequestDemand,
+                               is_history)
 
 _TOTAL = attrgetter("num_blocks_total")
 _BLOCK_SIZE = attrgetter("block_size")
@@ -180,9 +182,10 @@ def rank_uniform(
         highest = target
     else:  # the highest projected occupancy under target, as rank_groups' _score takes it
         highest = (committed[order[lo - 1]] + num_blocks - base) / total if lo else 0.0
-        for i, held in prefix.items():
+        for i, held in prefix.items():  # a history is scored up to a full pool
             occupancy = (committed[i] + num_blocks - held) / total
-            if highest < occupancy <= target:
+            ceiling = FULL_OCCUPANCY if is_history(held, base, num_blocks) else target
+            if highest < occupancy <= ceiling:
                 highest = occupancy
     per_block = prefix_weight / (num_hashes - base) if num_hashes > base else 0.0
     per_occupancy = load_weight / highest if highest > 0 else 0.0
@@ -192,8 +195,9 @@ def rank_uniform(
         occupancy = (committed[i] + num_blocks - held) / total
         if occupancy > FULL_OCCUPANCY:
             return 2, 0.0, occupancy, loads[i].group_id
-        # _score's expression, with the queue term (0.0 * 0) in place
-        if occupancy > target:
+        # _score's expression, with the queue term (0.0 * 0) in place; a history is scored as
+        # under the target while its pool holds the request
+        if occupancy > target and not is_history(held, base, num_blocks):
             score = per_occupancy_over * occupancy + 0.0 * 0 - per_block * held - load_weight - 0.0
             return 1, score, occupancy, loads[i].group_id
         score = per_occupancy * occupancy + 0.0 * 0 - per_block * held - load_weight - 0.0

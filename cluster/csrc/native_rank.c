@@ -174,8 +174,14 @@ static double occupancy_of(const State *s, long i, long num_blocks, long held) {
     return (double)(item_long(s->committed, i) + num_blocks - held) / (double)s->total;
 }
 
+/* history: the group's blocks past the base are over half the request's (cluster.placement's
+ * is_history), so it is scored as under the target while its pool holds the request */
+static int is_history(long held, long base, long num_blocks) {
+    return 2 * (held - base) > num_blocks - base;
+}
+
 static Key key_of(const State *s, long i, long held, long num_blocks, double per_occupancy,
-                  double per_block) {
+                  double per_block, int history) {
     Key key;
     key.occupancy = occupancy_of(s, i, num_blocks, held);
     key.tie = item_long(s->tie, i);
@@ -184,7 +190,7 @@ static Key key_of(const State *s, long i, long held, long num_blocks, double per
         key.score = 0.0;
         return key;
     }
-    key.tier = key.occupancy > s->target;
+    key.tier = key.occupancy > s->target && !history;
     if (key.tier)  /* over the target: the load's share of the whole pool */
         per_occupancy = s->load_weight / FULL_OCCUPANCY;
     /* rank_uniform's expression, term for term */
@@ -212,14 +218,16 @@ static void merge(const State *s, const long *rest, long n, const long *pidx, co
         highest = lo ? occupancy_of(s, rest[lo - 1], num_blocks, base) : 0.0;
         for (int j = 0; j < np; j++) {
             double occupancy = occupancy_of(s, pidx[j], num_blocks, pheld[j]);
-            if (highest < occupancy && occupancy <= s->target) highest = occupancy;
+            double ceiling = is_history(pheld[j], base, num_blocks) ? FULL_OCCUPANCY : s->target;
+            if (highest < occupancy && occupancy <= ceiling) highest = occupancy;
         }
     }
     per_block = num_hashes > base ? s->prefix_weight / (double)(num_hashes - base) : 0.0;
     per_occupancy = highest > 0 ? s->load_weight / highest : 0.0;
     for (int j = 0; j < np; j++) {  /* insertion sort of the longer-prefix groups by key */
         int at = j;
-        keys[j] = key_of(s, pidx[j], pheld[j], num_blocks, per_occupancy, per_block);
+        keys[j] = key_of(s, pidx[j], pheld[j], num_blocks, per_occupancy, per_block,
+                         is_history(pheld[j], base, num_blocks));
         while (at > 0 && key_less(&keys[j], &keys[sorted[at - 1]])) {
             sorted[at] = sorted[at - 1];
             at--;
@@ -232,7 +240,7 @@ static void merge(const State *s, const long *rest, long n, const long *pidx, co
         hi = n;
         while (lo < hi) {
             long mid = (lo + hi) / 2;
-            Key other = key_of(s, rest[mid], base, num_blocks, per_occupancy, per_block);
+            Key other = key_of(s, rest[mid], base, num_blocks, per_occupancy, per_block, 0);
             if (key_less(&other, own)) lo = mid + 1;
             else hi = mid;
         }
