@@ -111,8 +111,8 @@ def test_when_every_group_is_over_target_the_least_loaded_goes_first():
 def test_over_target_a_conversation_stays_with_its_history_while_its_pool_holds_the_request():
     """Ranked by load alone over the target, a turn left its history for a group whose committed
     blocks were lower by more than the history (here 72 + 10 against 88 + 2 of 100), and its
-    re-prefill raised the load further (README: the serving benchmark at load 1.0). Now the
-    history's group keeps it until the request no longer fits its pool."""
+    re-prefill there raised the load further. Now the history's group keeps it until the
+    request no longer fits its pool."""
     hashes = extend_block_hashes([], list(range(8 * BS)), BS)
     request = demand(10 * BS, hashes)
     loads = [load("a_cold", 72), load("b_history", 88, cached=hashes)]
