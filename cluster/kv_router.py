@@ -50,7 +50,9 @@ rank last, together, so Serve picks among them by queue length: a new group gets
 reports, or when every reported group is full. When no replica has a report (right after
 start-up), or for calls without ``num_tokens`` (anything but generation), the router falls back
 to Serve's power of two choices. Every routed request counts one reason in `decision_counts()`: a
-`PlacementReason` value or one of the ``FALLBACK_*`` / `NO_REPORT` labels below.
+`PlacementReason` value or one of the ``FALLBACK_*`` / `NO_REPORT` labels below, and
+`prefix_given_up()` counts the decisions that went to a group holding fewer of the request's
+blocks than another did (a history recomputed elsewhere), with the blocks so given up.
 
 One router lives in each caller process per deployment handle. Its decision counts are handed to
 `cluster.metrics.register_router_decisions` (exported as ``tpserve:router_decisions``), and
