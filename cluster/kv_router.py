@@ -194,8 +194,8 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # Read from other threads (metrics), written on the router's event loop.
         self._stats_lock = threading.Lock()
         self._decision_counts: collections.Counter = collections.Counter()
-        # By reason: decisions that went to a group holding fewer of the request's blocks than
-        # another did, and the blocks given up so (recomputed there).
+        # By "<reason>_from_<reason>" (prefix_given_up): decisions that went to a group holding
+        # fewer of the request's blocks than another did, and the blocks given up so.
         self._prefix_left: collections.Counter = collections.Counter()
         self._prefix_blocks_left: collections.Counter = collections.Counter()
         self._decision_times_us: Deque[float] = collections.deque(maxlen=4096)
