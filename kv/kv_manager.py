@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import filterfalse, islice
-from typing import Dict, Hashable, List, Optional, Sequence
+from typing import Dict, Hashable, Iterator, List, Optional, Sequence
 
 from kv.block_pool import Block, BlockPool
 from kv.eviction import EvictionPolicy, HotnessTracker
@@ -84,16 +84,29 @@ class KVCacheManager:
         self, token_ids: Sequence[int], block_hashes: Sequence[BlockHash]
     ) -> CachedPrefix:
         """The longest run of cached leading blocks, leaving at least one token to compute."""
-        blocks: List[Block] = []
-        if self.enable_prefix_cache:
-            max_blocks = (len(token_ids) - 1) // self.block_size
-            for index, block_hash in enumerate(block_hashes[:max_blocks]):
-                start = index * self.block_size
-                block = self.pool.lookup(block_hash, token_ids[start:start + self.block_size])
-                if block is None:
-                    break
-                blocks.append(block)
+        blocks = list(self._cached_blocks(token_ids, block_hashes, 0, len(block_hashes)))
         return CachedPrefix(blocks, len(blocks) * self.block_size)
+
+    def count_cached_blocks(self, token_ids: Sequence[int], block_hashes: Sequence[BlockHash],
+                            start: int, limit: int) -> int:
+        """``find_cached_prefix``'s length in blocks, given that the first ``start`` blocks are
+        cached, looking at no more than ``limit`` blocks past them (so at most ``start + limit``:
+        a walk a caller continues later, see ``workers.waiting_demand``)."""
+        return start + sum(1 for _ in self._cached_blocks(token_ids, block_hashes, start, limit))
+
+    def _cached_blocks(self, token_ids: Sequence[int], block_hashes: Sequence[BlockHash],
+                       start: int, limit: int) -> Iterator[Block]:
+        """The cached blocks from block ``start`` on, up to the first miss, ``limit`` blocks or
+        the last block with a token after it."""
+        if not self.enable_prefix_cache:
+            return
+        end = min(start + limit, (len(token_ids) - 1) // self.block_size, len(block_hashes))
+        size = self.block_size
+        for index in range(start, end):
+            block = self.pool.lookup(block_hashes[index], token_ids[index * size:(index + 1) * size])
+            if block is None:
+                return
+            yield block
 
     def count_prefix_query(self, num_tokens: int, prefix: CachedPrefix, num_hit_tokens: int,
                            block_hashes: Sequence[BlockHash]) -> None:

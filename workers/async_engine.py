@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from kv.kv_manager import KVUsage
-from kv.prefix_hash import extend_block_hashes
 from workers.engine import LLMEngine, RequestOutput
 from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler
 from workers.step_watchdog import StepHungError, StepWatchdog
+from workers.waiting_demand import WaitingDemand
 
 logger = logging.getLogger(__name__)
 
@@ -46,28 +45,12 @@ class EngineLoad:
     kv: KVUsage
     num_running: int
     num_waiting: int
-    num_waiting_tokens: int  # tokens to compute without a block yet (uncomputed_tokens + queued)
+    num_waiting_tokens: int  # tokens to compute without a block yet (WaitingDemand + queued)
     cached_block_hashes: Tuple[int, ...]  # the pool's, most recently used first; then the host's
     accepted_ids: Tuple[str, ...] = ()  # routing ids accepted lately, all counted above
 
 
 _Command = Tuple[str, tuple, Optional[Future]]
-
-
-def uncomputed_tokens(sched: Scheduler) -> int:
-    """Tokens the scheduler's requests have yet to compute that hold no KV block yet: a waiting
-    request's past the leading blocks the pool has cached for it (they take no new block, as
-    the router charges it), and the rest of the prompt of a running one still prefilling in
-    chunks (its blocks grow chunk by chunk). A loading request's blocks are held for what it
-    restores. Runs on the engine thread (between steps): one prefix lookup per waiting
-    request, the hashes kept on the request for its admission."""
-    kv, waiting = sched.kv, 0
-    for r in sched.waiting:
-        extend_block_hashes(r.block_hashes, r.all_token_ids, kv.block_size)
-        cached = kv.find_cached_prefix(r.all_token_ids, r.block_hashes).num_tokens
-        waiting += r.num_tokens - max(r.num_computed_tokens, cached)
-    return waiting + sum(r.num_prompt_tokens - r.num_computed_tokens for r in sched.running
-                         if r.num_computed_tokens < r.num_prompt_tokens)
 
 
 class AsyncLLMEngine:
@@ -92,6 +75,7 @@ class AsyncLLMEngine:
         self._error: Optional[BaseException] = None
         self._stopping = False
         self._load_seq = 0
+        self._waiting_demand = WaitingDemand()
         self.load = self._snapshot_load()
         self._watchdog = StepWatchdog(self.engine.config.step_timeout_s, self._on_hung)
         self._thread = threading.Thread(target=self._run, name="tpserve-engine", daemon=True)
@@ -249,7 +233,7 @@ class AsyncLLMEngine:
             seq=self._load_seq, time=time.time(), kv=sched.kv_usage(),
             # A request loading its prefix from host or disk holds blocks and runs next: running.
             num_running=len(sched.running) + len(sched.loading), num_waiting=len(sched.waiting),
-            num_waiting_tokens=queued_tokens + uncomputed_tokens(sched),
+            num_waiting_tokens=queued_tokens + self._waiting_demand.uncomputed_tokens(sched),
             cached_block_hashes=tuple(sched.kv.cached_hashes(self._max_cached_hashes)),
             accepted_ids=accepted_ids,
         )

@@ -96,47 +96,6 @@ def test_a_report_holds_every_request_accepted_before_it(engine):
     assert load.num_waiting_tokens + load.kv.num_filled_slots >= len(prompt) + 5
 
 
-def test_a_report_counts_the_rest_of_a_prompt_being_prefilled_in_chunks(tiny_llama):
-    """A running request mid-prefill holds blocks only for the chunks it has computed; the rest
-    of its prompt takes blocks in the next steps, so a report must count it, or the router sees
-    room that is already spoken for."""
-    from workers.async_engine import uncomputed_tokens
-
-    config = EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=64,
-                          max_num_batched_tokens=16)
-    with LLMEngine(config) as sync:
-        sync.add_request([7] * 100, SamplingParams(max_tokens=2), "long")
-        sync.add_request([8] * 10, SamplingParams(max_tokens=2), "queued")
-        assert uncomputed_tokens(sync.scheduler) == 110
-        sync.step()  # the first 16-token chunk of "long"; "queued" still waits
-        assert [r.request_id for r in sync.scheduler.running] == ["long"]
-        assert sync.scheduler.kv_usage().num_filled_slots == 16
-        assert uncomputed_tokens(sync.scheduler) == 84 + 10
-
-
-def test_a_waiting_request_counts_only_what_its_cached_prefix_does_not_hold(tiny_llama):
-    """A conversation's next turn waiting behind others needs blocks only past its history's
-    cached blocks (the router charges it so too). Counting its whole prompt made a busy group's
-    report say its pool was past full while the turns queued there needed a few blocks each:
-    the router then sent the next turn away from its history (serving benchmark, README:
-    17 decisions and 1,102 cached blocks given up in 800 requests at 3.5 req/s)."""
-    from workers.async_engine import uncomputed_tokens
-
-    config = EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=64,
-                          max_num_seqs=1)
-    history = [7] * 40
-    with LLMEngine(config) as sync:
-        sync.add_request(history, SamplingParams(max_tokens=1), "turn1")
-        while sync.has_unfinished():
-            sync.step()
-        sync.add_request([9] * 8, SamplingParams(max_tokens=4), "other")
-        sync.step()  # "other" runs; the next turn waits (one sequence at a time)
-        sync.add_request(history + [8] * 6, SamplingParams(max_tokens=2), "turn2")
-        assert [r.request_id for r in sync.scheduler.waiting] == ["turn2"]
-        # 10 of its 11 full-or-partial blocks: 40 cached tokens; 6 to compute
-        assert uncomputed_tokens(sync.scheduler) == 6
-
-
 def test_an_idle_engine_waits_for_held_back_spills_instead_of_stepping(tiny_llama):
     """A request done, its blocks' spills still held back by --kv-spill-gbps: the engine thread
     ran empty steps back to back until they all went out (a core at 100%, a TP group

@@ -1,0 +1,57 @@
+"""The tokens a group's scheduler has yet to compute without a KV block: its load report's
+waiting demand, taken on the engine thread after every step.
+
+A waiting request needs blocks only past the leading blocks the pool has cached for it (the
+router charges it so too), so the report looks its prefix up. A full lookup per waiting request
+per report cost 2.3 ms with 64 requests of 2,048 tokens waiting and 10.5 ms with 256 (block size
+16; ``scripts/bench_load_report.py``): where a decode step takes 10-30 ms (a GPU), a long queue
+would slow every step by up to a third. So a report walks at most ``max_lookups`` blocks in all,
+and each request's walk goes on from where the last report left it: the blocks it found stay
+cached until the pool evicts a block, and only then does a walk start over. A request not walked
+yet counts its whole prompt (as if nothing were cached); one whose walk is stale after an
+eviction counts what it last found until its turn comes again.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+from kv.prefix_hash import extend_block_hashes
+from workers.request import Request
+from workers.scheduler import Scheduler
+
+MAX_LOOKUPS = 2048  # blocks looked up per report: about 0.6 ms in Python
+
+
+class WaitingDemand:
+    """Each waiting request's cached prefix as found so far, walked ``max_lookups`` blocks per
+    report at most (front of the queue first)."""
+
+    def __init__(self, max_lookups: int = MAX_LOOKUPS) -> None:
+        if max_lookups < 1:
+            raise ValueError(f"max_lookups must be at least 1, got {max_lookups}")
+        self.max_lookups = max_lookups
+        # request -> (the pool's eviction count when its walk last moved, cached blocks found)
+        self._walks: Dict[Request, Tuple[int, int]] = {}
+
+    def uncomputed_tokens(self, sched: Scheduler) -> int:
+        """Tokens the scheduler's requests have yet to compute that hold no KV block yet: a
+        waiting request's past its cached leading blocks, and the rest of the prompt of a running
+        one still prefilling in chunks (its blocks grow chunk by chunk). A loading request's
+        blocks are held for what it restores."""
+        kv, budget, walks = sched.kv, self.max_lookups, {}
+        evictions = kv.pool.num_evicted
+        waiting = 0
+        for r in sched.waiting:
+            stamp, found = self._walks.get(r, (evictions, 0))
+            if budget > 0:
+                start = found if stamp == evictions else 0
+                extend_block_hashes(r.block_hashes, r.all_token_ids, kv.block_size)
+                found = kv.count_cached_blocks(r.all_token_ids, r.block_hashes, start, budget)
+                budget -= found - start + 1  # the blocks found and the miss that ends the walk
+                stamp = evictions
+            walks[r] = (stamp, found)
+            waiting += r.num_tokens - max(r.num_computed_tokens, found * kv.block_size)
+        self._walks = walks
+        return waiting + sum(r.num_prompt_tokens - r.num_computed_tokens for r in sched.running
+                             if r.num_computed_tokens < r.num_prompt_tokens)
