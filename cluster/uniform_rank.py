@@ -195,13 +195,12 @@ def rank_uniform(
         occupancy = (committed[i] + num_blocks - held) / total
         if occupancy > FULL_OCCUPANCY:
             return 2, 0.0, occupancy, loads[i].group_id
-        # _score's expression, with the queue term (0.0 * 0) in place; a history is scored as
-        # under the target while its pool holds the request
-        if occupancy > target and not is_history(held, base, num_blocks):
-            score = per_occupancy_over * occupancy + 0.0 * 0 - per_block * held - load_weight - 0.0
-            return 1, score, occupancy, loads[i].group_id
-        score = per_occupancy * occupancy + 0.0 * 0 - per_block * held - load_weight - 0.0
-        return 0, score, occupancy, loads[i].group_id
+        # a history is scored as under the target while its pool holds the request
+        over = occupancy > target and not is_history(held, base, num_blocks)
+        scale = per_occupancy_over if over else per_occupancy
+        # _score's expression, with the queue term (0.0 * 0) in place
+        score = scale * occupancy + 0.0 * 0 - per_block * held - load_weight - 0.0
+        return int(over), score, occupancy, loads[i].group_id
 
     # Insert each longer-prefix group (in key order) into order by binary search.
     keyed = []

@@ -63,7 +63,13 @@ def time_reports(engine: LLMEngine, num_reports: int) -> Dict[str, Union[int, fl
     start = time.perf_counter()
     figure, converged = bounded.uncomputed_tokens(sched), 1
     first_ms = (time.perf_counter() - start) * 1e3
-    while figure != exact:  # each report walks on from the last one's
+    # Each report walks on from the last one's, at least one block further: all the requests'
+    # blocks and a miss each bound the reports it takes.
+    most = sum(r.num_tokens // sched.kv.block_size + 1 for r in sched.waiting) + 1
+    while figure != exact:
+        if converged == most:
+            raise SystemExit(f"the bounded walk reports {figure} tokens after {most} reports, "
+                             f"not {exact}: it does not go on from where it stopped")
         figure, converged = bounded.uncomputed_tokens(sched), converged + 1
     start = time.perf_counter()
     for _ in range(num_reports):
