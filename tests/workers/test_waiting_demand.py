@@ -71,7 +71,9 @@ def test_a_report_walks_at_most_its_budget_and_later_reports_go_on_from_there(ti
     step) cost 10.5 ms with 256 requests of 2,048 tokens waiting (scripts/bench_load_report.py):
     up to a third of a GPU decode step. Here three next turns of 10 cached blocks each would take 33
     lookups per report; with a budget of 12, each report takes at most 12, counting a request
-    it has not finished walking as if less were cached, and the third report is exact."""
+    it has not finished walking as if less were cached. The first report walks the first turn
+    (11 lookups) and one block of the second; the second report goes on there, then walks two
+    blocks of the third; the third report is exact."""
     with _turns_waiting_behind_another(tiny_llama, 3) as sync:
         lookups = _CountedLookups(sync.scheduler.kv.pool)
         demand, reports = WaitingDemand(max_lookups=12), []
@@ -79,8 +81,21 @@ def test_a_report_walks_at_most_its_budget_and_later_reports_go_on_from_there(ti
             lookups.calls = 0
             reports.append(demand.uncomputed_tokens(sync.scheduler))
             assert lookups.calls <= 12
-        assert reports == [6 + 42 + 46, 6 + 6 + 42, 18, 18]
+        assert reports == [6 + 42 + 46, 6 + 6 + 38, 18, 18]
         assert WaitingDemand(max_lookups=10**6).uncomputed_tokens(sync.scheduler) == 18
+
+
+def test_every_waiting_request_gets_its_walk_when_the_queue_outgrows_the_budget(tiny_llama):
+    """Walked from the front of the queue in every report, the requests whose walks were done
+    took one lookup each (does the prefix go on?) before any other's walk went on: with more
+    waiting requests than the budget's blocks, those at the back were never walked. Here a
+    budget of 2 and three next turns: the third stayed at its whole prompt (58 tokens, not 18)
+    however many reports came. Each report now starts where the last one's budget ran out."""
+    with _turns_waiting_behind_another(tiny_llama, 3) as sync:
+        demand = WaitingDemand(max_lookups=2)
+        reports = [demand.uncomputed_tokens(sync.scheduler) for _ in range(40)]
+        assert reports[-1] == 18
+        assert reports == sorted(reports, reverse=True)  # never under the exact figure on the way
 
 
 def test_after_an_eviction_a_walk_starts_over(tiny_llama):
