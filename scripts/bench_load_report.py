@@ -90,7 +90,7 @@ def parse_queues(text: str) -> List[Tuple[int, int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--queues", default="16x512,64x2048,256x2048,64x8192")
-    parser.add_argument("--reports", type=int, default=20)
+    parser.add_argument("--reports", type=int, default=200)
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,13 +3,14 @@ waiting demand, taken on the engine thread after every step.
 
 A waiting request needs blocks only past the leading blocks the pool has cached for it (the
 router charges it so too), so the report looks its prefix up. A full lookup per waiting request
-per report cost 2.3 ms with 64 requests of 2,048 tokens waiting and 10.5 ms with 256 (block size
-16; ``scripts/bench_load_report.py``): where a decode step takes 10-30 ms (a GPU), a long queue
-would slow every step by up to a third. So a report walks at most ``max_lookups`` blocks in all,
-and each request's walk goes on from where the last report left it: the blocks it found stay
-cached until the pool evicts a block, and only then does a walk start over. A request not walked
-yet counts its whole prompt (as if nothing were cached); one whose walk is stale after an
-eviction counts what it last found until its turn comes again.
+per report cost 2.2-2.3 ms with 64 requests of 2,048 tokens waiting and 8.8-10.5 ms with 256
+(block size 16; ``scripts/bench_load_report.py``): where a decode step takes 10-30 ms (a GPU),
+a long queue would slow every step by up to a third. So a report walks at most ``max_lookups``
+blocks in all, starting where the last report's budget ran out, and each request's walk goes on
+from where it stopped: the blocks it found stay cached until the pool evicts a block, and only
+then does a walk start over. A request not walked yet counts its whole prompt (as if nothing
+were cached); one whose walk is stale after an eviction counts what it last found until its
+turn comes again.
 """
 
 from __future__ import annotations

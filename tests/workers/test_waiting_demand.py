@@ -68,7 +68,7 @@ class _CountedLookups:
 
 def test_a_report_walks_at_most_its_budget_and_later_reports_go_on_from_there(tiny_llama):
     """A full prefix lookup of every waiting request in every report (taken after each engine
-    step) cost 10.5 ms with 256 requests of 2,048 tokens waiting (scripts/bench_load_report.py):
+    step) cost 8.8-10.5 ms with 256 requests of 2,048 tokens waiting (scripts/bench_load_report.py):
     up to a third of a GPU decode step. Here three next turns of 10 cached blocks each would take 33
     lookups per report; with a budget of 12, each report takes at most 12, counting a request
     it has not finished walking as if less were cached. The first report walks the first turn
