@@ -32,7 +32,7 @@ model: $(STAMP)
 	$(VENV)/bin/tpserve model default
 
 bench: $(STAMP)
-	$(PY) scripts/bench_engine.py
+	$(PY) -m scripts.bench_engine
 
 clean:
 	rm -rf $(VENV) build *.egg-info

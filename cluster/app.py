@@ -20,16 +20,16 @@ from ray.serve.config import (
     RequestRouterConfig,
 )
 
-from cluster.admission import group_max_ongoing_requests, ingress_max_in_flight
-from cluster.autoscaling import KVLoadPolicy
-from cluster.cli_serve import PLACEMENT_STRATEGIES
-from cluster.formation import FormationConfig
-from cluster.group_deployment import GroupResources, PlannedPlacement, TPGroupServer
-from cluster.ingress import build_ingress
-from cluster.kv_router import KVAwareRouter
-from cluster.placement import DEFAULT_MAX_REPORT_AGE_S
-from cluster.request_limits import MIB, IngressLimits
-from cluster.router_settings import RouterSettings
+from cluster.api.admission import group_max_ongoing_requests, ingress_max_in_flight
+from cluster.groups.autoscaling import KVLoadPolicy
+from cluster.options import PLACEMENT_STRATEGIES
+from cluster.groups.formation import FormationConfig
+from cluster.groups.deployment import GroupResources, PlannedPlacement, TPGroupServer
+from cluster.api.ingress import build_ingress
+from cluster.routing.kv_router import KVAwareRouter
+from cluster.routing.ranking import DEFAULT_MAX_REPORT_AGE_S
+from cluster.api.request_limits import MIB, IngressLimits
+from cluster.routing.settings import RouterSettings
 from workers.config import EngineConfig
 from workers.default_model import resolve_model_path
 from workers.engine_sizing import check_model, context_length, fit_context_to_pool
@@ -59,11 +59,11 @@ class ServeConfig:
     # "kv": tpserve's KV-aware router ("kv_strict": with its former prefix-first order;
     # "kv_queue": with the pending-tokens score at weight QUEUE_VARIANT_WEIGHT; "kv_headroom":
     # its load score relative to the target rather than to the busiest group);
-    # baselines (cluster/baseline_routers.py): "pow2" (Serve's default), "prefix_affinity",
+    # baselines (cluster/routing/baseline_routers.py): "pow2" (Serve's default), "prefix_affinity",
     # "round_robin"
     router: str = "kv"
     max_migrations: int = 3  # re-sends of a request whose group failed while serving it
-    # "plan": the topology plan places each group (cluster.group_allocator); "serve": Serve does;
+    # "plan": the topology plan places each group (cluster.groups.allocator); "serve": Serve does;
     # "auto": the plan for a fixed number of groups on clusters with GPUs, else Serve.
     placement: str = "auto"
     cpu_ranks_per_node: Optional[int] = None  # CPU plans: rank slots per node (None: its cores)
@@ -105,7 +105,7 @@ def check_placement_strategy(strategy: str, placement: str) -> None:
 
 
 def check_limits(config: ServeConfig) -> None:
-    """The request limits (``cluster.admission``, ``cluster.request_limits``)."""
+    """The request limits (``cluster.api.admission``, ``cluster.api.request_limits``)."""
     for name in ("max_ongoing_requests", "max_queued_requests"):
         value = getattr(config, name)
         if value is not None and (not isinstance(value, int) or value < 1):
@@ -248,7 +248,7 @@ def router_config(config: ServeConfig) -> RequestRouterConfig:
     if config.router == "pow2":
         return RequestRouterConfig(**stats)
     if config.router in ("prefix_affinity", "round_robin"):
-        from cluster import baseline_routers
+        from cluster.routing import baseline_routers
 
         cls = (baseline_routers.TokenPrefixAffinityRouter if config.router == "prefix_affinity"
                else baseline_routers.RoundRobinRouter)

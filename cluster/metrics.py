@@ -3,7 +3,7 @@
 Each TP group pushes a snapshot of its numbers about once a second to one named actor
 (``MetricsStoreActor``, a one-line Ray wrapper of the plain ``MetricsStore``); the ingress
 measures what only it sees (time to first token, inter-token and end-to-end latency, token
-counts) in its own ``IngressMetrics`` (`cluster.ingress_metrics`). ``/metrics`` renders both,
+counts) in its own ``IngressMetrics`` (`cluster.api.metrics`). ``/metrics`` renders both,
 plus the router's decision counts, in the Prometheus text format, under vLLM's metric names
 with the prefix ``tpserve:`` (``vllm:kv_cache_usage_perc`` -> ``tpserve:kv_cache_usage_perc``).
 
@@ -282,7 +282,7 @@ _router_sources: List[Any] = []
 
 
 def register_router_decisions(counts: Mapping[str, int]) -> None:
-    """Called by a router (``cluster.kv_router``) with the mapping it counts reasons in; the
+    """Called by a router (``cluster.routing.kv_router``) with the mapping it counts reasons in; the
     ingress in the same process exports the sum over routers. Held weakly when possible."""
     try:
         _router_sources.append(weakref.ref(counts))
@@ -364,7 +364,7 @@ class RayMetricsMirror:
                 finished_reason: str, num_prompt_tokens: int,
                 num_generation_tokens: int) -> None:
         """One finished request: ``observations`` pair a histogram spec (its ``name`` and
-        ``buckets``, `cluster.ingress_metrics`) with a value."""
+        ``buckets``, `cluster.api.metrics`) with a value."""
         tags = {"model_name": model_name}
         for spec, value in observations:
             self.histogram(spec.name, value, tags, spec.buckets)

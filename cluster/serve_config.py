@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 from cluster.app import ServeConfig, parse_groups
-from cluster.cli_generate import add_engine_arguments, engine_config
+from cluster.options import add_engine_arguments, engine_config
 from workers.config import EngineConfig
 
 IMPORT_PATH = "cluster.serve_config:app_builder"
@@ -94,7 +94,7 @@ def serve_config_from_args(args: Mapping[str, Any],
 
 def arg_options() -> Dict[str, argparse.Action]:
     """The keys an application's ``args`` may hold, with the option each one stands for."""
-    from cluster.cli_serve import add_serve_arguments
+    from cluster.options import add_serve_arguments
 
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_arguments(parser)

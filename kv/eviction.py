@@ -28,7 +28,7 @@ Holding. A key whose score exceeds the hold threshold (``--kv-pin-threshold``) i
 count those evictions. ``victim()`` always returns the coldest key, and if that key is held then
 every present key is held. Returning it anyway means a held set larger than the tier cannot
 deadlock allocation; so a held block may still leave the device, and the tiers below keep a copy
-of it like of any other block (``kv/tiers.py``).
+of it like of any other block (``kv/tiers/hierarchy.py``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Dict, Hashable, Iterator, List, Optional, Sequence
 from kv.block_pool import Block, BlockPool
 from kv.eviction import EvictionPolicy, HotnessTracker
 from kv.prefix_hash import BlockHash
-from kv.tiers import KVTiers
+from kv.tiers.hierarchy import KVTiers
 from kv.types import BlockId
 
 

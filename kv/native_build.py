@@ -9,8 +9,8 @@ The library goes to ``kernels`` under tpserve's cache root (``$TPSERVE_CACHE``, 
 ``~/.cache/tpserve``; where that cannot be written, a folder in the temporary directory), one
 file per source, flags, compiler and CPU (``-march=native`` code runs only on CPUs like the one
 that built it), written under a temporary name and renamed, so processes building at once never
-load a partial file. Users: `kv.cpu_decode` (the CPU decode kernel, through ctypes) and
-`cluster.native_rank` (the router's ranking, a CPython extension).
+load a partial file. Users: `kv.attention.cpu_decode` (the CPU decode kernel, through ctypes) and
+`cluster.routing.native_rank` (the router's ranking, a CPython extension).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The autoscaled endpoint, shown: `--groups 1:3` scaling on KV load on a local Ray.
 
-    .venv/bin/python scripts/autoscale_demo.py [--model default] [--plot autoscale.png]
+    .venv/bin/python -m scripts.autoscale_demo [--model default] [--plot autoscale.png]
 
 Starts a local Ray and tpserve's Serve application (`cluster.app.build_app`, the same code as
 `tpserve serve --groups 1:3`), then:
 
 1. load: `--streams` clients send long requests back to back (random token-id prompts, so no
    prefix-cache hits; `ignore_eos`, so each holds its KV blocks for its whole length). The KV
-   usage of the first group passes the 70% target, the policy (`cluster.autoscaling`) asks for
+   usage of the first group passes the 70% target, the policy (`cluster.groups.autoscaling`) asks for
    more groups and Serve starts them.
 2. trickle: the load stops but one client keeps sending short requests, so that groups are
    scaled down while requests are in flight: any request a draining group dropped would count as
@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 APP = "tpserve"
 

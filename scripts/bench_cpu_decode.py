@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Time CPU decode attention, the C kernel (``kv/cpu_decode.py``) against the PyTorch path it
+"""Time CPU decode attention, the C kernel (``kv/attention/cpu_decode.py``) against the PyTorch path it
 replaces (gather K/V into padded dense tensors, then SDPA, in buckets of 16 decodes), on one
 step's decodes over every layer's cache, in this process.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/bench_cpu_decode.py [--seqs 32] [--layers 30]
+    PYTHONPATH=$PWD .venv/bin/python -m scripts.bench_cpu_decode [--seqs 32] [--layers 30]
 
 The step: ``--seqs`` sequences of ``--min-keys``..``--max-keys`` cached tokens (the decode-heavy
 workload of ``bench_engine.py`` holds 32 of 16-176), in blocks of ``--block-size`` slots scattered
@@ -29,12 +29,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run from anywhere
-    sys.path.insert(0, str(REPO))
 
-from kv.attention_metadata import (DECODE_BUCKET_SIZE, SeqSlice,  # noqa: E402
+from kv.attention.metadata import (DECODE_BUCKET_SIZE, SeqSlice,  # noqa: E402
                                    build_attention_metadata)
-from kv.cpu_decode import decode_kernel, reference_attend  # noqa: E402
+from kv.attention.cpu_decode import decode_kernel, reference_attend  # noqa: E402
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

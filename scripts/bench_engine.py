@@ -60,19 +60,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SCRIPTS = Path(__file__).resolve().parent
-if str(SCRIPTS) not in sys.path:  # imported by path (tests): the trace readers live beside it
-    sys.path.insert(0, str(SCRIPTS))
 
 import torch  # noqa: E402
 
-import kv.cpu_decode as cpu_decode  # noqa: E402
+import kv.attention.cpu_decode as cpu_decode  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.llm import LLM  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
 
-from engine_limits import ModelCost, best_machine, measure_machine  # noqa: E402
-from engine_report import WorkloadReport, print_table, summary, write_steps  # noqa: E402
-from engine_systems import (  # noqa: E402
+from scripts.engine.limits import ModelCost, best_machine, measure_machine  # noqa: E402
+from scripts.engine.report import WorkloadReport, print_table, summary, write_steps  # noqa: E402
+from scripts.engine.systems import (  # noqa: E402
     RunResult,
     hf_generate_batch,
     load_hf,
@@ -80,14 +78,14 @@ from engine_systems import (  # noqa: E402
     run_hf_generate,
     run_tpserve,
 )
-from engine_workloads import (  # noqa: E402
+from scripts.engine.workloads import (  # noqa: E402
     DECODE_OUTPUT_RANGE,
     DECODE_PROMPT_RANGE,
     Workload,
     decode_workload,
     prefill_workload,
 )
-from traces import AZURE_CODE_TRACE, TraceError, read_azure  # noqa: E402
+from scripts.traces import AZURE_CODE_TRACE, TraceError, read_azure  # noqa: E402
 
 DEFAULT_TRACE = AZURE_CODE_TRACE
 DEFAULT_DECODE_REQUESTS = 32  # keeps the default run under 10 minutes on a shared 2-core host
@@ -190,7 +188,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     torch.set_num_threads(threads)
     on_kernel = cpu_decode.decode_kernel() is not None  # what this process's ranks run
     print(f"CPU decodes: {'the C kernel' if on_kernel else 'the PyTorch path'} "
-          "(kv/cpu_decode.py)")
+          "(kv/attention/cpu_decode.py)")
     try:
         engine = llm.engine
         first = measure_machine(engine.model_config, "before")

@@ -28,8 +28,6 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Dict, List, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from cluster.ports import free_port  # noqa: E402
 
@@ -43,7 +41,7 @@ Send = Callable[[str], Awaitable[str]]
 def start_server(model: str, port: int, grpc_port: int, api_key: str) -> subprocess.Popen:
     """``tpserve serve`` in a new process group; ready once ``/v1/models`` answers."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--model", model, "--port",
+    command = [sys.executable, "-m", "cluster.cli.main", "serve", "--model", model, "--port",
                str(port), "--grpc-port", str(grpc_port), "--api-key", api_key]
     proc = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -11,7 +11,7 @@ Three parts, in one process, one after another:
     contiguous float32 tensors of the same size is printed too, for information (its pages moved
     17.5 GB/s one way and 30.5 the other in one run here: it measures pages, not the tier).
     The contenders take turns (which runs first rotates), each after a 10 ms pause (torch's
-    OpenMP workers spin for milliseconds after a ``copy_``; see ``scripts/tier_bandwidth.py``),
+    OpenMP workers spin for milliseconds after a ``copy_``; see ``scripts/tiers/bandwidth.py``),
     ``--repeats`` times after one warm-up round; medians are reported. ``host_copy_ratio`` is
     the lower of the two directions' ratios (tier GB/s / same-buffer ``copy_`` GB/s).
 (b) Disk. ``--disk-blocks`` consecutive disk slots written from and read back into host slots
@@ -41,16 +41,16 @@ Three parts, in one process, one after another:
     flight, mean response time is that number over the throughput (Little's law), so a closed
     loop's TTFT measures throughput and how a request's time splits around its first token,
     not what queueing does to latency at a given offered load. Configs (``--configs``,
-    ``scripts/tier_replay.py``): device-only, then host + disk tiers under an eviction policy
+    ``scripts/tiers/replay.py``): device-only, then host + disk tiers under an eviction policy
     (LRU, hotness) and a write policy (write-through, selective, write-back); the device pool
     holds ``--device-frac`` of the subset's unique blocks (at least twice the longest request),
     the host ``--host-frac``, the disk ``--disk-frac``. Hit rate: prompt tokens found in any tier
     / prompt tokens looked up. Per config: hit rate, TTFT mean/p50/p99, replay time, bytes
     spilled per byte restored, disk bytes written per disk hit; a PNG box plot of TTFT per config.
-    ``--workload hot_prompts`` replays the synthetic workload of ``scripts/tier_workloads.py``
+    ``--workload hot_prompts`` replays the synthetic workload of ``scripts/tiers/workloads.py``
     (Zipf-popular system prompts, each followed by a one-off document) instead of the trace.
 
-``--parts a,b`` runs the bandwidth parts only (their code is ``scripts/tier_bandwidth.py``);
+``--parts a,b`` runs the bandwidth parts only (their code is ``scripts/tiers/bandwidth.py``);
 ``--parts c`` the replay only.
 
 The last line printed is one JSON object with every figure.
@@ -73,25 +73,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-for _path in (REPO, REPO / "scripts"):  # run from anywhere, or imported by path (tests)
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
 
 import torch  # noqa: E402
 
 from workers.default_model import resolve_model_path  # noqa: E402
 from workers.model_config import ModelConfig, load_model_config  # noqa: E402
 
-from tier_bandwidth import run_copies, run_disk  # noqa: E402
-from traces import (MOONCAKE_BLOCK_TOKENS, MOONCAKE_SYNTHETIC_TRACE, BlockTokens,  # noqa: E402
+from scripts.tiers.bandwidth import run_copies, run_disk  # noqa: E402
+from scripts.traces import (MOONCAKE_BLOCK_TOKENS, MOONCAKE_SYNTHETIC_TRACE, BlockTokens,  # noqa: E402
                     TraceError, TraceRequest, conversation_ids, ideal_hit_rate, read_mooncake,
                     sample_conversations)
-from serve_workload import poisson_rate, poisson_times, sustained_rate  # noqa: E402
-from tier_replay import (MIN_TOKEN_ID, ReplayResult, TierSizes, engine_config,  # noqa: E402
+from scripts.serve.workload import poisson_rate, poisson_times, sustained_rate  # noqa: E402
+from scripts.tiers.replay import (MIN_TOKEN_ID, ReplayResult, TierSizes, engine_config,  # noqa: E402
                          fit_context, parse_config_name, replay, tier_sizes)
-from tier_report import (figures_of, plot_load_sweep, plot_ttft, print_replay,  # noqa: E402
+from scripts.tiers.report import (figures_of, plot_load_sweep, plot_ttft, print_replay,  # noqa: E402
                          print_sweep, verdict)
-from tier_workloads import WORKLOADS, hot_prompts, no_reuse  # noqa: E402
+from scripts.tiers.workloads import WORKLOADS, hot_prompts, no_reuse  # noqa: E402
 
 DEFAULT_TRACE = MOONCAKE_SYNTHETIC_TRACE
 DEFAULT_LOAD = 0.8  # --rate auto: offered load, a fraction of device-only's sustained rate
@@ -118,7 +115,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL")
     p.add_argument("--workload", default="trace", choices=WORKLOADS,
                    help="(c): the --trace file, or a synthetic workload (hot_prompts, "
-                        "no_reuse: scripts/tier_workloads.py)")
+                        "no_reuse: scripts/tiers/workloads.py)")
     p.add_argument("--model", default="default", help="checkpoint directory, or 'default'")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="tiny sizes (tests; a minute or less)")
@@ -230,10 +227,10 @@ def sample_rows(rows: List[TraceRequest], args: argparse.Namespace) -> List[Trac
 
 def sample_desc(args: argparse.Namespace, rows: List[TraceRequest]) -> str:
     if args.workload == "hot_prompts":
-        return ("hot_prompts (scripts/tier_workloads.py: 24 prompts of 16 blocks, Zipf 1.0, "
+        return ("hot_prompts (scripts/tiers/workloads.py: 24 prompts of 16 blocks, Zipf 1.0, "
                 "each with a one-off document of 12 blocks)")
     if args.workload == "no_reuse":
-        return "no_reuse (scripts/tier_workloads.py: prompts of 32 one-off blocks)"
+        return "no_reuse (scripts/tiers/workloads.py: prompts of 32 one-off blocks)"
     what = (f"{args.requests} requests in whole conversations" if args.requests is not None
             else f"a {args.root_frac:g} sample")
     return (f"{args.trace}: {what} (seed {args.seed}) of the "

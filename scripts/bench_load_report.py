@@ -5,7 +5,7 @@ the bounded walk (``WaitingDemand``, at most ``MAX_LOOKUPS`` blocks per report, 
 walk going on from the last report's) against a full prefix lookup of every waiting request in
 every report (what the engine did before; a fresh ``WaitingDemand`` with no limit walks so).
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/bench_load_report.py [--queues 64x2048,256x2048]
+    PYTHONPATH=$PWD .venv/bin/python -m scripts.bench_load_report [--queues 64x2048,256x2048]
 
 Per queue (N requests of L history tokens + 20 new ones, block size 16): the full walk's time per
 report, the bounded walk's first report (also its cost after every eviction, when walks start
@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Tuple, Union
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_check_models import build_checkpoint  # noqa: E402
+from scripts.gpu.models import build_checkpoint  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402

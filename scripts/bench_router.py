@@ -3,7 +3,7 @@
 in this process, with 2 to 64 groups: hot (decisions back to back) and cold (a 64 MiB buffer
 walked between decisions, as the engines between two requests do to the router's caches).
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/bench_router.py [--groups 2,8,64] [--decisions N]
+    PYTHONPATH=$PWD .venv/bin/python -m scripts.bench_router [--groups 2,8,64] [--decisions N]
 
 Why cold: in the ingress a decision comes every few milliseconds at most, between engine steps
 that stream hundreds of MB through the caches; the live decision times `scripts/bench_serve.py`
@@ -15,11 +15,11 @@ here; on a later host 131 us against 133 cold; README).
 The routers are the real classes, called as Serve calls them (``choose_replicas``, then
 ``on_request_routed`` for the replica taken). The replicas are stand-ins carrying what a router
 reads of Serve's ``RunningReplica``: an id, its routing stats (the group report of
-`cluster.kv_router`, 512-block pools 10-60% used, the prompts of a few conversations cached) and
+`cluster.routing.kv_router`, 512-block pools 10-60% used, the prompts of a few conversations cached) and
 its locality. Requests are turns of 200 conversations behind an 8-block system prompt every group
 holds, their block hashes other int objects than the reports' (as live). The last line is JSON.
 
-Fleets of 24 to 64 groups with one pool size rank with one C call (`cluster.native_rank`); set
+Fleets of 24 to 64 groups with one pool size rank with one C call (`cluster.routing.native_rank`); set
 ``TPSERVE_NATIVE_ROUTER=0`` to time the Python ranking it replaced.
 """
 
@@ -31,7 +31,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -42,11 +41,9 @@ from ray.serve._private.request_router.common import RequestRoutingContext
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run from anywhere
-    sys.path.insert(0, str(REPO))
 
-from cluster import native_rank  # noqa: E402
-from cluster.kv_router import KVAwareRouter  # noqa: E402
+from cluster.routing import native_rank  # noqa: E402
+from cluster.routing.kv_router import KVAwareRouter  # noqa: E402
 from kv.prefix_hash import extend_block_hashes  # noqa: E402
 
 DEPLOYMENT = DeploymentID(name="TPGroup", app_name="bench-router")

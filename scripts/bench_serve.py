@@ -8,7 +8,7 @@ same requests at the same arrival times, sent with the official ``openai`` clien
 (``AsyncOpenAI``, streaming ``/v1/completions``, token-id prompts, greedy, ``ignore_eos`` so every
 request generates exactly its ``max_tokens``). The runs differ only in the group deployment's
 ``request_router_config`` (``cluster.app.router_config``; the baselines are in
-``cluster/baseline_routers.py``), with the same routing-stats period.
+``cluster/routing/baseline_routers.py``), with the same routing-stats period.
 
 The workload (``serve_workload.py``), from a trace (``--trace``, format detected from the
 content; ``traces.py`` reads both):
@@ -49,7 +49,7 @@ fail, end short or are cut at the run's deadline are counted as failures by kind
 
 Router decision time: the KV-aware router records the time of each placement decision
 (``KVAwareRouter.decision_times_us``), read from the ingress replica after its run: the live
-figure, with ``--groups`` groups. The pure policy ``cluster.placement.rank_groups`` is also timed
+figure, with ``--groups`` groups. The pure policy ``cluster.routing.ranking.rank_groups`` is also timed
 here on synthetic loads of 2 and 64 groups (the target: under 50 us with 64 groups).
 
 The last line printed is one JSON object with every figure (the KV-aware router's unsuffixed,
@@ -73,25 +73,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-for _path in (REPO, REPO / "scripts"):  # run from anywhere, or imported by path (tests)
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
 
-from host_load import cpu_snapshot, load_average, other_cpu_frac  # noqa: E402,F401
-from serve_cluster import Endpoint, local_serve, run_router  # noqa: E402
-from serve_replay import (RequestResult, RunResult, log,  # noqa: E402,F401
+from scripts.serve.host_load import cpu_snapshot, load_average, other_cpu_frac  # noqa: E402,F401
+from scripts.serve.cluster import Endpoint, local_serve, run_router  # noqa: E402
+from scripts.serve.replay import (RequestResult, RunResult, log,  # noqa: E402,F401
                           parse_group_metrics)
-from serve_rounds import (paired, plot_ttft, pool_runs, print_paired,  # noqa: E402,F401
+from scripts.serve.rounds import (paired, plot_ttft, pool_runs, print_paired,  # noqa: E402,F401
                           print_rounds, round_orders, rounds_json)
-from serve_report import (finish_sweep, flat_json, host_tier, json_suffix,  # noqa: E402,F401
+from scripts.serve.report import (finish_sweep, flat_json, host_tier, json_suffix,  # noqa: E402,F401
                           percentile, plot_sweep, print_header, print_router_lines, print_table,
                           router_figures, run_label, summarize, sweep_json, target_checks,
                           time_rank_groups)
-from serve_workload import (BenchRequest, Scaling, arrival_times,  # noqa: E402,F401
+from scripts.serve.workload import (BenchRequest, Scaling, arrival_times,  # noqa: E402,F401
                             auto_kv_blocks, build_workload, calibration_sample, ideal_hit_rate,
                             longest_request_blocks, poisson_rate, sustained_rate, with_rate,
                             with_system_prompt, working_set_blocks, workload_figures)
-from traces import (MOONCAKE_SYNTHETIC_TRACE, TraceError, TraceRequest,  # noqa: E402,F401
+from scripts.traces import (MOONCAKE_SYNTHETIC_TRACE, TraceError, TraceRequest,  # noqa: E402,F401
                     conversation_ids, read_trace, sample_conversations)
 
 DEFAULT_TRACE = MOONCAKE_SYNTHETIC_TRACE

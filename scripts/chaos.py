@@ -1,6 +1,6 @@
 """Chaos under load: no request lost while ranks die, hang, and the endpoint is flooded.
 
-    .venv/bin/python scripts/chaos.py [--model default] [--tp 3] [--groups 2]
+    .venv/bin/python -m scripts.chaos [--model default] [--tp 3] [--groups 2]
 
 Starts a local Ray and tpserve's Serve application (``cluster.app.build_app``, the code of
 ``tpserve serve --groups 2 --tp 3``; the default model, SmolLM2-135M, has 9 attention heads), takes
@@ -39,7 +39,6 @@ from typing import Dict, List, Optional
 
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cluster.ports import free_port  # noqa: E402
 
@@ -86,7 +85,7 @@ def start_app(args: argparse.Namespace, port: int) -> None:
 
 def group_ranks() -> Dict[str, List[int]]:
     """Each live group's rank pids, rank 0 first (what `tpserve status` shows)."""
-    from cluster.cli_status import collect_status
+    from cluster.cli.status import collect_status
 
     report = collect_status()
     return {g["replica"]: [r["pid"] for r in g["ranks"]] for g in report["groups"]

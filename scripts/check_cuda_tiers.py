@@ -1,7 +1,7 @@
 """Check the KV tiers' device paths on a real device: the script to run when a GPU is lent.
 
-    python scripts/check_cuda_tiers.py                 # CUDA (the point of it)
-    python scripts/check_cuda_tiers.py --device cpu    # the same checks on CPU (a smoke test)
+    python -m scripts.check_cuda_tiers                 # CUDA (the point of it)
+    python -m scripts.check_cuda_tiers --device cpu    # the same checks on CPU (a smoke test)
 
 1. The host buffer is pinned with one registration (``cudaHostRegister``) when on CUDA.
 2. Spill -> the compute stream overwrites the spilled blocks right after ``wait_device_reads`` ->
@@ -25,14 +25,13 @@ import time
 from pathlib import Path
 from typing import Iterable, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kv.host_buffer import HostBuffer  # noqa: E402
+from kv.tiers.host_buffer import HostBuffer  # noqa: E402
 from kv.kv_cache import KVCache, KVCacheSpec  # noqa: E402
-from kv.tier_ops import OpStatus, Restore, Spill  # noqa: E402
-from kv.transfer import TransferEngine  # noqa: E402
+from kv.tiers.ops import OpStatus, Restore, Spill  # noqa: E402
+from kv.tiers.transfer import TransferEngine  # noqa: E402
 
 
 def check_copies(device: torch.device, num_blocks: int, repeats: int = 3) -> dict:

@@ -5,14 +5,14 @@ compiler and the ``ptxas`` it ships, as the first step on a GPU would compile th
 kernels CuPy compiles at run time (the KV tiers' device checksum), through NVRTC
 (``scripts/nvrtc_check.py``).
 
-    python scripts/check_gpu_kernels.py                 # sm_90 (H100/H200), every shape
-    python scripts/check_gpu_kernels.py --arch 80,90    # A100 and H100/H200
-    python scripts/check_gpu_kernels.py --quick         # two shapes (the test suite's run)
+    python -m scripts.check_gpu_kernels                 # sm_90 (H100/H200), every shape
+    python -m scripts.check_gpu_kernels --arch 80,90    # A100 and H100/H200
+    python -m scripts.check_gpu_kernels --quick         # two shapes (the test suite's run)
 
 Why: the suite runs the kernels in Triton's interpreter (``TRITON_INTERPRET=1``), which executes
 them as NumPy and so accepts kernels the compiler rejects (shapes ``tl.dot`` cannot tile, types
 the target lacks) and says nothing of registers or shared memory. Here the launches are built by
-the same code as a step's (`kv.triton_attention.decode_launches` / `prefill_launch`, on CPU
+the same code as a step's (`kv.attention.triton_paged.decode_launches` / `prefill_launch`, on CPU
 tensors shaped and typed as on the device) and compiled with ``kernel.warmup``: Triton binds and
 specializes the arguments as for a launch, then compiles to PTX and, through ``ptxas``, to a
 cubin, without launching. A check fails when a kernel does not compile, needs more shared memory
@@ -31,28 +31,25 @@ import contextlib
 import io
 import json
 import os
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-# The kernels must be decorated as compiled, not interpreted: before kv.triton_attention loads.
+# The kernels must be decorated as compiled, not interpreted: before kv.attention.triton_paged loads.
 os.environ["TRITON_INTERPRET"] = "0"
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.driver import DriverBase  # noqa: E402
 
-from kv import triton_attention  # noqa: E402
-from nvrtc_check import (  # noqa: E402
+from kv.attention import triton_paged as triton_attention  # noqa: E402
+from scripts.nvrtc_check import (  # noqa: E402
     CUDA_KERNELS, Nvrtc, compile_cuda_kernel, find_nvrtc, kernel_problems, ptxas_figures)
-from kv.attention_metadata import SeqSlice  # noqa: E402
-from kv.block_table_metadata import build_block_table_metadata  # noqa: E402
+from kv.attention.metadata import SeqSlice  # noqa: E402
+from kv.attention.block_table_metadata import build_block_table_metadata  # noqa: E402
 
 # Shared memory one block may use (opt-in maximum), by compute capability.
 MAX_SHARED_BYTES = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}

@@ -1,11 +1,11 @@
 """The prepared GPU check: one command for one lent H200 (no network, no Ray), every GPU-path
 check of the engine in one run that finishes in a few minutes.
 
-    python3 scripts/gpu_check.py --json-out $OUT/gpu_check.json   # CUDA (the point of it)
-    python scripts/gpu_check.py --device cpu --quick                # tiny sizes on CPU (the test)
+    python3 -m scripts.gpu_check --json-out $OUT/gpu_check.json   # CUDA (the point of it)
+    python -m scripts.gpu_check --device cpu --quick                # tiny sizes on CPU (the test)
 
 On a lent H200 (10 minutes of device time, the machine's start included), as one call:
-``set -o pipefail; PYTHONUNBUFFERED=1 timeout 450 python3 scripts/gpu_check.py --json-out
+``set -o pipefail; PYTHONUNBUFFERED=1 timeout 450 python3 -m scripts.gpu_check --json-out
 $OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.log`` with a call timeout of 480 s. Sections not
 started within ``--time-budget-s`` (270 s) are skipped, so the JSON comes back even when the
 device is slower than planned; the file is rewritten after every section in case of a kill.
@@ -22,7 +22,7 @@ Sections, each in its own module and each reporting its own failure without stop
 4. memory_sizing (``gpu_check_memory``): an engine with ``--gpu-memory-utilization`` set to leave
    it 1 GiB: its pool fits there, the GPU stays within the fraction after generating, greedy ids
    equal ``transformers``, a fraction below what is in use is refused; on CPU, refused by name.
-5. triton_attention (``gpu_check_attention``): ``kv.triton_attention`` against the PyTorch paged
+5. triton_attention (``gpu_check_attention``): ``kv.attention.triton_paged`` against the PyTorch paged
    attention, max abs error; "not available" while that module does not exist.
 6. tier_copies (``gpu_check_tiers``): ``check_cuda_tiers.check_copies`` (pinned spill/restore
    GB/s vs a plain ``copy_``, corruption caught) and the checksum's GB/s.
@@ -46,24 +46,21 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 SCRIPTS = Path(__file__).resolve().parent
-for _path in (SCRIPTS.parent, SCRIPTS):  # the project's packages, then the script's modules
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
 
 # (name, module, function, what it checks)
 SECTIONS = (
-    ("greedy_parity", "gpu_check_parity", "check_greedy",
+    ("greedy_parity", "scripts.gpu.parity", "check_greedy",
      "greedy ids vs transformers (fp32 exact, bf16 drift), every backend and graph mode"),
-    ("sampling", "gpu_check_parity", "check_sampling",
+    ("sampling", "scripts.gpu.parity", "check_sampling",
      "temperature 1 with seeds, n=1 and n=3: reproducible and batch-independent"),
     # the headline figures before the longer checks, inside the time budget whatever they take
-    ("throughput", "gpu_check_throughput", "check_throughput",
+    ("throughput", "scripts.gpu.throughput", "check_throughput",
      "tpserve vs transformers generate, and vs the device's limit"),
-    ("memory_sizing", "gpu_check_memory", "check_memory_sizing",
+    ("memory_sizing", "scripts.gpu.memory", "check_memory_sizing",
      "--gpu-memory-utilization: the KV pool sized from free memory, and held to it"),
-    ("triton_attention", "gpu_check_attention", "check_triton_attention",
+    ("triton_attention", "scripts.gpu.attention", "check_triton_attention",
      "Triton paged attention vs the PyTorch reference"),
-    ("tier_copies", "gpu_check_tiers", "check_tier_copies",
+    ("tier_copies", "scripts.gpu.tiers", "check_tier_copies",
      "pinned spill/restore GB/s vs plain copy_, checksums"),
 )
 SECTION_NAMES = tuple(s[0] for s in SECTIONS)
@@ -103,7 +100,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def run_section(name: str, module: str, function: str, ctx, report) -> None:
     """Run one section into ``report``; an exception (an import included) becomes its error."""
-    from gpu_check_common import free_device_memory, synchronize
+    from scripts.gpu.common import free_device_memory, synchronize
 
     started = time.perf_counter()
     try:
@@ -124,7 +121,7 @@ def run_section(name: str, module: str, function: str, ctx, report) -> None:
 def run_sections(ctx, args: argparse.Namespace, started: float, header: Dict[str, object],
                  reports: List) -> None:
     """Each selected section in turn, appended to ``reports`` as it starts."""
-    from gpu_check_common import Report
+    from scripts.gpu.common import Report
 
     for name, module, function, what in SECTIONS:
         if name not in args.sections:
@@ -144,7 +141,7 @@ def run_sections(ctx, args: argparse.Namespace, started: float, header: Dict[str
 
 def summary(header: Dict[str, object], reports, started: float,
             complete: bool = True) -> Dict[str, object]:
-    from gpu_check_common import ERROR, FAILED, NOT_AVAILABLE, SKIPPED
+    from scripts.gpu.common import ERROR, FAILED, NOT_AVAILABLE, SKIPPED
 
     def named(*statuses):
         return [r.name for r in reports if r.status in statuses]
@@ -190,7 +187,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("error: no CUDA device here; pass --device cpu --quick for the CPU run",
               file=sys.stderr)
         return 2
-    from gpu_check_common import CheckContext
+    from scripts.gpu.common import CheckContext
 
     header = describe_machine(args)
     print(json.dumps(header), flush=True)

@@ -1,5 +1,5 @@
 """``check_gpu_kernels.py``'s CUDA C part: the kernels tpserve compiles from CUDA C at run time
-(CuPy ``RawKernel``s: the KV tiers' device checksum, `kv.cupy_checksum`) compiled by NVRTC, the
+(CuPy ``RawKernel``s: the KV tiers' device checksum, `kv.integrity.cupy_checksum`) compiled by NVRTC, the
 library CuPy compiles them with, for a given GPU architecture, without a GPU: NVRTC is a compiler
 and needs no driver. Its ``ptxas -v`` log gives registers, spills and shared memory.
 
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from kv import cupy_checksum
+from kv.integrity import cupy_checksum
 
 # (name, CUDA C source) of every run-time compiled kernel.
 CUDA_KERNELS = ((cupy_checksum._KERNEL_NAME, cupy_checksum.KERNEL_SOURCE),)

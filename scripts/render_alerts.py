@@ -2,8 +2,8 @@
 _alerts.tpl, the one source) rendered with the chart's default thresholds, as a plain Prometheus
 rules file.
 
-    .venv/bin/python scripts/render_alerts.py            # rewrite the file
-    .venv/bin/python scripts/render_alerts.py --check    # exit 1 if the file is out of date
+    .venv/bin/python -m scripts.render_alerts            # rewrite the file
+    .venv/bin/python -m scripts.render_alerts --check    # exit 1 if the file is out of date
 
 Renders with Helm itself (the ``helm-python-sdk`` package embeds it; no helm binary needed).
 """

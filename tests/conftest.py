@@ -18,9 +18,9 @@ from tiny_models import build_checkpoint  # noqa: E402
 
 @pytest.fixture(params=["kernel", "pytorch"])
 def decode_path(request, monkeypatch):
-    """Runs a test with CPU decodes on the C kernel (``kv/cpu_decode.py``), then on the PyTorch
+    """Runs a test with CPU decodes on the C kernel (``kv/attention/cpu_decode.py``), then on the PyTorch
     gather + SDPA path it replaces where it cannot be built."""
-    from kv.cpu_decode import SWITCH_ENV, decode_kernel
+    from kv.attention.cpu_decode import SWITCH_ENV, decode_kernel
 
     if request.param == "pytorch":
         monkeypatch.setenv(SWITCH_ENV, "0")

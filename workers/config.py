@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from kv.write_policy import check_write_policy
+from kv.tiers.write_policy import check_write_policy
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class EngineConfig:
     kv_hotness_decay: float = 0.95  # EMA decay per request of the hotness policy
     kv_pin_threshold: float = 0.9  # hotness above which a block stays on the device
     kv_snapshot_interval_s: float = 300.0  # how often the disk tier's index is saved
-    # When blocks go down a tier (kv/write_policy.py): write_through, write_through_selective
+    # When blocks go down a tier (kv/tiers/write_policy.py): write_through, write_through_selective
     # (blocks hit kv_write_threshold times) or write_back (on eviction from the tier above).
     kv_write_policy: str = "write_through"
     kv_write_threshold: int = 1

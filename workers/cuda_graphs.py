@@ -37,8 +37,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from kv.block_table_metadata import BlockTableMetadata, DeviceSeq
-from kv.device_block_tables import PADDING_ROW, DeviceBlockTables
+from kv.attention.block_table_metadata import BlockTableMetadata, DeviceSeq
+from kv.attention.device_block_tables import PADDING_ROW, DeviceBlockTables
 from kv.host_staging import to_device
 from kv.kv_cache import KVCache
 from workers.models.llama import LlamaForCausalLM

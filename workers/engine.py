@@ -16,9 +16,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from kv.attention_backend import resolve_attention_backend
+from kv.attention.backend import resolve_attention_backend
 from kv.kv_manager import KVUsage
-from kv.tier_ops import TierOp, TierOpResults
+from kv.tiers.ops import TierOp, TierOpResults
 from parallel.rendezvous import RendezvousSocket
 from parallel.tp_group import TPGroupConfig
 from workers.config import EngineConfig

@@ -22,9 +22,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from kv.attention_metadata import SeqSlice
-from kv.block_table_metadata import DeviceSeq, build_device_step
-from kv.device_block_tables import DEFAULT_NUM_ROWS, DeviceBlockTables
+from kv.attention.metadata import SeqSlice
+from kv.attention.block_table_metadata import DeviceSeq, build_device_step
+from kv.attention.device_block_tables import DEFAULT_NUM_ROWS, DeviceBlockTables
 from kv.host_staging import tensor_on
 from kv.kv_cache import KVCache
 from workers.cuda_graphs import DecodeGraphs

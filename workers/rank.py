@@ -16,9 +16,9 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from kv.attention_backend import make_attention_backend
+from kv.attention.backend import make_attention_backend
 from kv.kv_cache import KVCache, KVCacheSpec
-from kv.tier_ops import TierOpResults
+from kv.tiers.ops import TierOpResults
 from parallel.onednn_linear import pack_linear_weights
 from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
 from workers.cpu_malloc import keep_freed_memory

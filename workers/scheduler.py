@@ -34,11 +34,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
-from kv.attention_metadata import first_key_position
+from kv.attention.metadata import first_key_position
 from kv.kv_manager import CachedPrefix, KVCacheManager, KVUsage
 from kv.prefix_hash import extend_block_hashes, hash_block
-from kv.tier_ops import Restore, TierOp, TierOpResults
-from kv.tier_records import LowerHit, RestoreChain
+from kv.tiers.ops import Restore, TierOp, TierOpResults
+from kv.tiers.records import LowerHit, RestoreChain
 from workers.request import FinishReason, Request, RequestStatus, SwappedTail
 from workers.step_plan import KnownSeqStep, NewSeqStep, SeqStep, StepPlan
 

@@ -14,7 +14,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from kv.tier_ops import TierOp
+from kv.tiers.ops import TierOp
 
 
 @dataclass(frozen=True)

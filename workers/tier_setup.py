@@ -12,7 +12,7 @@ themselves are checked again, by checksum, whenever they come back.
 
 With several directories (``--disk-kv-dir a,b,c``) the engine claims the same ``engine<i>`` in
 every one (the first ``i`` free in all), each rank stripes its blocks over one ``blocks.bin`` per
-directory (``kv.striped_disk``), and the snapshots live in the first directory only. The stripe
+directory (``kv.tiers.disk.striped``), and the snapshots live in the first directory only. The stripe
 layout (unit size, every file's path, in order) is part of the checksum snapshot's identity, so
 a list of another count or order starts cold with a warning instead of misreading blocks; a
 snapshot left in a directory that is no longer first is removed, since its blocks will be
@@ -31,17 +31,17 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from kv.disk_index import DirectoryLock, lock_directory, read_snapshot, warn_unknown_files, \
+from kv.tiers.disk.index import DirectoryLock, lock_directory, read_snapshot, warn_unknown_files, \
     write_snapshot
 from kv.eviction import HotnessTracker, make_policy
-from kv.host_buffer import HostBuffer
+from kv.tiers.host_buffer import HostBuffer
 from kv.kv_cache import KVCache
 from kv.kv_manager import KVCacheManager
 from kv.prefix_hash import BlockHash
-from kv.striped_disk import StripedDiskStore
-from kv.tier_index import TierEntry, TierIndex
-from kv.tiers import KVTiers
-from kv.transfer import TransferEngine
+from kv.tiers.disk.striped import StripedDiskStore
+from kv.tiers.index import TierEntry, TierIndex
+from kv.tiers.hierarchy import KVTiers
+from kv.tiers.transfer import TransferEngine
 from workers.config import EngineConfig, parse_disk_kv_dirs
 from workers.loader import checkpoint_files
 

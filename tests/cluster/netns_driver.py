@@ -21,8 +21,8 @@ import ray
 from ray import serve
 
 from cluster.app import ServeConfig, build_app
-from cluster.cli_status import collect_status
-from cluster.group_allocator import kill_group_allocator
+from cluster.cli.status import collect_status
+from cluster.groups.allocator import kill_group_allocator
 from cluster.metrics import kill_metrics_store
 from workers.config import EngineConfig
 

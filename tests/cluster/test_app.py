@@ -4,8 +4,8 @@ prefixes) and validation."""
 import pytest
 
 from cluster.app import ServeConfig, kv_aware_router_config, parse_groups, router_config
-from cluster.kv_router import KVAwareRouter
-from cluster.router_settings import RouterSettings
+from cluster.routing.kv_router import KVAwareRouter
+from cluster.routing.settings import RouterSettings
 from workers.config import EngineConfig
 
 
@@ -41,7 +41,7 @@ def test_serve_config_router_choice():
 def test_prefix_affinity_keys_on_token_ids():
     from types import SimpleNamespace
 
-    from cluster.baseline_routers import TokenPrefixAffinityRouter, token_ids_as_text
+    from cluster.routing.baseline_routers import TokenPrefixAffinityRouter, token_ids_as_text
 
     a, b = token_ids_as_text([5, 0xD800, 70000]), token_ids_as_text([5, 0xD800, 9])
     assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]

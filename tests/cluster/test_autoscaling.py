@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from cluster.autoscaling import KVLoadPolicy, desired_groups
+from cluster.groups.autoscaling import KVLoadPolicy, desired_groups
 
 
 def test_desired_groups_keeps_mean_usage_at_target():

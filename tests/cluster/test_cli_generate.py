@@ -10,14 +10,14 @@ import pytest
 
 
 def tpserve(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cluster.cli.main", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 
 def cli_errors(capsys, *args):
     """The exit code and stderr of ``tpserve *args`` run through the console script's entry
-    point (`cluster.cli.main`) in this process."""
-    from cluster.cli import main
+    point (`cluster.cli.main.main`) in this process."""
+    from cluster.cli.main import main
 
     try:
         code = main(list(args))

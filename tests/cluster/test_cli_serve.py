@@ -1,6 +1,6 @@
 """`tpserve serve` refuses a configuration the model cannot take before it starts anything.
 
-The refusals run the console script's entry point (`cluster.cli.main`) in this process, which
+The refusals run the console script's entry point (`cluster.cli.main.main`) in this process, which
 also shows that no Ray was started for them; the failed deploy runs it as a subprocess."""
 
 import subprocess
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def serve(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "cluster.cli", "serve", *args],
+    return subprocess.run([sys.executable, "-m", "cluster.cli.main", "serve", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -21,7 +21,7 @@ def refused(capsys, *args):
     if it started Ray (a refusal must come before anything is started)."""
     import ray
 
-    from cluster.cli import main
+    from cluster.cli.main import main
 
     assert not ray.is_initialized()
     try:

@@ -22,7 +22,7 @@ from ray.util.placement_group import (  # noqa: E402
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
-from cluster.formation import (  # noqa: E402
+from cluster.groups.formation import (  # noqa: E402
     NOSET_CUDA_VISIBLE_DEVICES_ENV,
     FormationConfig,
     FormedGroup,

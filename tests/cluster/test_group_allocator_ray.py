@@ -7,8 +7,8 @@ import time
 import pytest
 import ray
 
-from cluster.formation import FormationConfig
-from cluster.group_allocator import (AllocatorConfigError, get_group_allocator,
+from cluster.groups.formation import FormationConfig
+from cluster.groups.allocator import (AllocatorConfigError, get_group_allocator,
                                      kill_group_allocator)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from cluster.app import ServeConfig, group_placement_options, group_resources, planned_placement
-from cluster.group_claims import (
+from cluster.groups.claims import (
     Claim,
     beyond_plan_message,
     claim,
@@ -17,7 +17,7 @@ from cluster.group_claims import (
     render_status,
     status_report,
 )
-from cluster.rank_actor import rank_device
+from cluster.groups.rank_actor import rank_device
 from parallel.grouping import DeviceKind, plan_groups
 from parallel.topology import NodeName, NodeTopology
 from parallel.topology_parse import parse_nvidia_smi_topo
@@ -141,7 +141,7 @@ def test_an_autoscaled_deployment_is_placed_by_serve_where_the_autoscaler_sees_i
 def test_a_node_where_ray_counts_gpus_the_probe_did_not_see_is_refused_by_name():
     # The probe's tools were missing (no nvidia-ml-py, nvidia-smi off the PATH): a CPU plan
     # would run the GPU cluster's ranks on CPU without a word.
-    from cluster.formation import FormationConfig, plan_placement
+    from cluster.groups.formation import FormationConfig, plan_placement
 
     blind = NodeTopology(NodeName("gpu-node"), num_cpu_cores=8)
     with pytest.raises(ValueError, match=r"Ray counts GPUs on node\(s\) gpu-node \(4 GPU"):

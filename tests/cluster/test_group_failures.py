@@ -7,7 +7,7 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import ingress_metrics as im
+from cluster.api import metrics as im
 from cluster import metrics as m
 
 

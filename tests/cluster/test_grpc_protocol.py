@@ -1,4 +1,4 @@
-"""The gRPC API's conversions (``cluster.grpc_protocol``) and options, without Ray running."""
+"""The gRPC API's conversions (``cluster.api.grpc_protocol``) and options, without Ray running."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import sys
 import grpc
 import pytest
 
-from cluster.grpc_protocol import (
+from cluster.api.grpc_protocol import (
     SERVICER_FUNCTION,
     chat_request,
     completion_request,
     completion_response,
     status_code,
 )
-from cluster.grpc_service import grpc_options
-from cluster.openai_protocol import ProtocolError
+from cluster.api.grpc_service import grpc_options
+from cluster.api.protocol import ProtocolError
 from cluster.proto.tpserve.v1 import tpserve_pb2 as pb
 
 
@@ -90,7 +90,7 @@ def test_grpc_options_and_a_bad_port():
 
 
 def test_the_cli_refuses_a_bad_grpc_port_before_starting_ray(tiny_llama):
-    result = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--model",
+    result = subprocess.run([sys.executable, "-m", "cluster.cli.main", "serve", "--model",
                              str(tiny_llama), "--grpc-port", "-1"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2 and "--grpc-port must be a TCP port" in result.stderr

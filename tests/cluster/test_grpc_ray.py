@@ -22,8 +22,8 @@ grpc = pytest.importorskip("grpc")
 from ray import cloudpickle, serve  # noqa: E402
 
 import test_ingress_ray  # noqa: E402
-from cluster.grpc_service import grpc_options  # noqa: E402
-from cluster.ingress import build_ingress  # noqa: E402
+from cluster.api.grpc_service import grpc_options  # noqa: E402
+from cluster.api.ingress import build_ingress  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
 from cluster.proto.tpserve.v1 import tpserve_pb2 as pb  # noqa: E402
 from cluster.proto.tpserve.v1 import tpserve_pb2_grpc as pb_grpc  # noqa: E402

@@ -1,13 +1,13 @@
-"""The ingress's prompt handling (`cluster.ingress_prompts`) with a real checkpoint's tokenizer,
+"""The ingress's prompt handling (`cluster.api.prompts`) with a real checkpoint's tokenizer,
 and with a checkpoint that has none: every refusal is a ProtocolError naming the field (a 400)."""
 
 import shutil
 
 import pytest
 
-from cluster.ingress_prompts import PromptCodec
-from cluster.openai_protocol import ProtocolError
-from cluster.openai_requests import ChatMessage
+from cluster.api.prompts import PromptCodec
+from cluster.api.protocol import ProtocolError
+from cluster.api.openai_requests import ChatMessage
 from workers.tokenizer import _TOKENIZER_FILES, load_tokenizer
 
 

@@ -1,7 +1,7 @@
 """The ingress on a real local Ray Serve, driven by the official `openai` client.
 
 A group-like deployment runs the real `AsyncLLMEngine` over a tiny checkpoint (TP 1, in the
-replica) and streams with `cluster.group_stream.stream_chunks`, the code the TP group deployment
+replica) and streams with `cluster.groups.stream.stream_chunks`, the code the TP group deployment
 uses; it can slow its steps (to disconnect mid-stream) and fail on demand (to see the errors).
 """
 
@@ -23,8 +23,8 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from ray import cloudpickle, serve  # noqa: E402
 
-from cluster.group_stream import stream_chunks  # noqa: E402
-from cluster.ingress import HEALTH_MAX_REPORT_AGE_S, build_ingress  # noqa: E402
+from cluster.groups.stream import stream_chunks  # noqa: E402
+from cluster.api.ingress import HEALTH_MAX_REPORT_AGE_S, build_ingress  # noqa: E402
 from cluster.metrics import get_metrics_store  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
 from kv.prefix_hash import extend_block_hashes  # noqa: E402

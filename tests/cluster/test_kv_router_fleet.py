@@ -12,10 +12,10 @@ import pytest
 pytest.importorskip("ray")
 from ray.serve._private.common import DeploymentHandleSource, ReplicaID  # noqa: E402
 
-from cluster import kv_router, native_rank  # noqa: E402
-from cluster.kv_router import KVAwareRouter  # noqa: E402
-from cluster.placement import PlacementReason, RequestDemand, rank_groups  # noqa: E402
-from cluster.uniform_rank import UniformRanking  # noqa: E402
+from cluster.routing import kv_router, native_rank  # noqa: E402
+from cluster.routing.kv_router import KVAwareRouter  # noqa: E402
+from cluster.routing.ranking import PlacementReason, RequestDemand, rank_groups  # noqa: E402
+from cluster.routing.uniform_rank import UniformRanking  # noqa: E402
 from kv.prefix_hash import extend_block_hashes  # noqa: E402
 from test_kv_router_ray import DEPLOYMENT, StandInReplica, request, stats  # noqa: E402
 
@@ -60,7 +60,7 @@ class Serve:
 
 @pytest.fixture(params=["c", "python"])
 def ranking(request, monkeypatch):
-    """Uniform fleets ranked by the C call (`cluster.native_rank`) or in Python."""
+    """Uniform fleets ranked by the C call (`cluster.routing.native_rank`) or in Python."""
     if request.param == "python":
         monkeypatch.setenv(native_rank.SWITCH_ENV, "0")
     native_rank.load.cache_clear()

@@ -27,16 +27,16 @@ from ray.serve._private.common import (  # noqa: E402
 )
 from ray.serve._private.request_router.common import RequestRoutingContext  # noqa: E402
 
-from cluster.kv_router import (  # noqa: E402
+from cluster.routing.kv_router import (  # noqa: E402
     FALLBACK_NO_NUM_TOKENS,
     FALLBACK_NO_REPORTS,
     KVAwareRouter,
     live_routers,
 )
 from cluster.app import kv_aware_router_config  # noqa: E402
-from cluster.load_report import ReplicaLoadTracker, parse_report  # noqa: E402
-from cluster.group_deployment import serve_routing_id  # noqa: E402
-from cluster.placement import PlacementReason, RequestDemand  # noqa: E402
+from cluster.routing.load_report import ReplicaLoadTracker, parse_report  # noqa: E402
+from cluster.groups.deployment import serve_routing_id  # noqa: E402
+from cluster.routing.ranking import PlacementReason, RequestDemand  # noqa: E402
 
 DEPLOYMENT = DeploymentID(name="group", app_name="test")
 
@@ -274,7 +274,7 @@ _LOAD_COPY = """
 import sys
 from ray import cloudpickle
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
-import cluster.kv_router as imported
+import cluster.routing.kv_router as imported
 
 router_class = cloudpickle.loads(open(sys.argv[1], "rb").read())
 router = router_class(

@@ -23,10 +23,10 @@ psutil = pytest.importorskip("psutil")
 from ray import cloudpickle, serve  # noqa: E402
 from ray.serve.config import BackpressureConfig  # noqa: E402
 
-from cluster.group_stream import stream_chunks  # noqa: E402
-from cluster.ingress import build_ingress  # noqa: E402
+from cluster.groups.stream import stream_chunks  # noqa: E402
+from cluster.api.ingress import build_ingress  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
-from cluster.request_limits import IngressLimits  # noqa: E402
+from cluster.api.request_limits import IngressLimits  # noqa: E402
 from workers.async_engine import AsyncLLMEngine, EngineDeadError  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402

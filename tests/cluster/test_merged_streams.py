@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from cluster.ingress_run import MergedStreams
-from cluster.openai_protocol import ProtocolError
+from cluster.api.request_run import MergedStreams
+from cluster.api.protocol import ProtocolError
 
 
 class ChunkStream:

@@ -7,7 +7,7 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import ingress_metrics as im
+from cluster.api import metrics as im
 from cluster import metrics as m
 
 SNAPSHOT = {
@@ -171,7 +171,7 @@ def test_empty_render_parses():
 def test_a_tiered_engines_numbers_reach_metrics_text(tiny_llama, tmp_path):
     """A real engine with host and disk tiers: its group snapshot carries the kv_tier_* numbers
     and /metrics renders them (counters, gauges, the transfer latency histogram)."""
-    from cluster.group_deployment import group_metrics_snapshot
+    from cluster.groups.deployment import group_metrics_snapshot
     from workers.async_engine import AsyncLLMEngine
     from workers.config import EngineConfig
     from workers.engine import LLMEngine

@@ -1,4 +1,4 @@
-"""The router's C ranking of a uniform fleet (`cluster.native_rank`) equals the Python it
+"""The router's C ranking of a uniform fleet (`cluster.routing.native_rank`) equals the Python it
 replaces, `PrefixIndex.prefix_split` then `rank_uniform`, on fleets built as the router builds
 them (real trackers, a real prefix index, charges moving the kept order); and where it cannot
 rank (no compiler, too many groups, a bad demand) the router ranks in Python as before."""
@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster import native_rank
-from cluster.load_report import FleetLoads, ReplicaLoadTracker
-from cluster.placement import RequestDemand
-from cluster.prefix_index import PrefixIndex
-from cluster.router_settings import RouterSettings
-from cluster.uniform_rank import UniformRanking, rank_uniform
+from cluster.routing import native_rank
+from cluster.routing.load_report import FleetLoads, ReplicaLoadTracker
+from cluster.routing.ranking import RequestDemand
+from cluster.routing.prefix_index import PrefixIndex
+from cluster.routing.settings import RouterSettings
+from cluster.routing.uniform_rank import UniformRanking, rank_uniform
 from kv.prefix_hash import extend_block_hashes
 
 BS = 8
@@ -170,7 +170,7 @@ def test_without_a_compiler_the_router_ranks_in_python(monkeypatch, caplog):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     native_rank.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="cluster.native_rank"):
+        with caplog.at_level(logging.WARNING, logger="cluster.routing.native_rank"):
             assert native_rank.load() is None
         assert "'/nonexistent/cc'" in caplog.text and "rank in Python" in caplog.text
     finally:
@@ -223,7 +223,7 @@ def test_a_hash_the_table_cannot_hold_leaves_fleets_to_python(module, caplog, ba
     fleet = build_fleet([(1, 100, [5, 6], 0, 0)] * 3, index)
     state = native_rank.fleet_state(index, fleet, RouterSettings())
     assert state is not None
-    with caplog.at_level(logging.WARNING, logger="cluster.prefix_index"):
+    with caplog.at_level(logging.WARNING, logger="cluster.routing.prefix_index"):
         index.add(1, [7, bad])
     assert "no longer used" in caplog.text
     assert index.table is None and native_rank.fleet_state(index, fleet, RouterSettings()) is None

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cluster.openai_protocol import (
+from cluster.api.protocol import (
     SSE_DONE,
     ChatFormat,
     ChoiceResult,
@@ -21,7 +21,7 @@ from cluster.openai_protocol import (
     sse_event,
     token_logprobs,
 )
-from cluster.openai_requests import ChatCompletionRequest, CompletionRequest, ignored_fields
+from cluster.api.openai_requests import ChatCompletionRequest, CompletionRequest, ignored_fields
 
 
 def completion(**fields):

@@ -3,7 +3,7 @@ requests, never more than the request's own ``max_tokens`` (not the whole remain
 
 import pytest
 
-from cluster.output_length import OutputLengthEstimate, router_charge
+from cluster.routing.output_length import OutputLengthEstimate, router_charge
 
 
 def test_a_request_without_max_tokens_is_not_charged_the_whole_context():

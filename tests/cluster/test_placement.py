@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.placement import (
+from cluster.routing.ranking import (
     GroupLoad,
     Placement,
     PlacementReason,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.placement import rank_groups
+from cluster.routing.ranking import rank_groups
 from kv.prefix_hash import extend_block_hashes
 
 from test_placement import BS, R, demand, ids, load

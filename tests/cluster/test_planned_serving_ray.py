@@ -26,8 +26,8 @@ openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 
 from cluster.app import ServeConfig, build_app  # noqa: E402
-from cluster.cli_status import collect_status  # noqa: E402
-from cluster.group_allocator import kill_group_allocator  # noqa: E402
+from cluster.cli.status import collect_status  # noqa: E402
+from cluster.groups.allocator import kill_group_allocator  # noqa: E402
 from cluster.metrics import kill_metrics_store  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
 from parallel.topology_probe import IBSTAT_FILE_ENV, NVSMI_FILE_ENV  # noqa: E402
@@ -146,7 +146,7 @@ def test_first_replica_runs_on_the_first_planned_group(cluster, client):
 def test_status_cli_reads_the_cluster(cluster, client):
     c, nodes, _ = cluster
     env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--address", c.address,
+    done = subprocess.run([sys.executable, "-m", "cluster.cli.main", "status", "--address", c.address,
                            "--json"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -156,7 +156,7 @@ def test_status_cli_reads_the_cluster(cluster, client):
     assert {"kv_usage", "running", "waiting", "replica"} <= set(group)
     assert data["plan"]["groups"][1] == [{"node": nodes["pcie"], "device": d} for d in (0, 1)]
     assert data["plan"]["explanation"][0].startswith("group 0: ")
-    plan = subprocess.run([sys.executable, "-m", "cluster.cli", "topology", "plan", "--address",
+    plan = subprocess.run([sys.executable, "-m", "cluster.cli.main", "topology", "plan", "--address",
                            c.address, "--tp", "2", "--json"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert plan.returncode == 0, plan.stderr[-2000:]

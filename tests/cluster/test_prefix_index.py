@@ -9,9 +9,9 @@ from typing import Dict, Sequence, Set
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.load_report import ReplicaLoadTracker
-from cluster.placement import GroupLoad, RequestDemand, rank_groups
-from cluster.prefix_index import PrefixIndex
+from cluster.routing.load_report import ReplicaLoadTracker
+from cluster.routing.ranking import GroupLoad, RequestDemand, rank_groups
+from cluster.routing.prefix_index import PrefixIndex
 
 
 def scanned(held: Dict[str, Set[int]], hashes: Sequence[int]) -> Dict[str, int]:

@@ -1,4 +1,4 @@
-"""Ranks 1..N-1 as Ray actors (``cluster.rank_actor.RayRankActors``) while rank 0 waits for them
+"""Ranks 1..N-1 as Ray actors (``cluster.groups.rank_actor.RayRankActors``) while rank 0 waits for them
 at the rendezvous: a rank that fails before it joins fails rank 0 at once, with its error."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 
-from cluster.rank_actor import RayRankActors  # noqa: E402
+from cluster.groups.rank_actor import RayRankActors  # noqa: E402
 from ray_clusters import loopback_cluster  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402

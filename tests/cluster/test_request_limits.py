@@ -9,10 +9,10 @@ import json
 import pytest
 from starlette.requests import Request
 
-from cluster.admission import IngressAdmission, group_max_ongoing_requests
+from cluster.api.admission import IngressAdmission, group_max_ongoing_requests
 from cluster.app import ServeConfig, request_limits
-from cluster.openai_protocol import ProtocolError
-from cluster.request_limits import (
+from cluster.api.protocol import ProtocolError
+from cluster.api.request_limits import (
     MIB,
     DeadlineStream,
     IngressLimits,
@@ -68,7 +68,7 @@ def test_serve_config_derives_and_validates_the_limits():
 
 
 def test_the_cli_refuses_a_bad_limit_before_starting_anything(tiny_llama, capsys):
-    from cluster.cli import main
+    from cluster.cli.main import main
 
     assert main(["serve", "--model", str(tiny_llama), "--max-queued-requests", "0"]) == 2
     assert "--max-queued-requests must be a positive integer" in capsys.readouterr().err
@@ -147,8 +147,8 @@ def test_a_stream_past_its_deadline_is_cancelled_and_answers_504():
 
 
 def test_openapi_describes_the_request_bodies_and_errors():
-    from cluster.ingress import app
-    from cluster.openapi_schema import openapi_document
+    from cluster.api.ingress import app
+    from cluster.api.openapi_schema import openapi_document
 
     app.openapi_schema = None
     doc = json.loads(json.dumps(openapi_document(app, ["tiny"])))

@@ -92,7 +92,7 @@ def test_a_file_without_a_tpserve_application_is_refused(tmp_path):
 
 def run_cli(capsys, *args):
     """`tpserve serve ...` through the CLI's entry point (each case fails before Ray starts)."""
-    from cluster.cli import main
+    from cluster.cli.main import main
 
     code = main(["serve", *args])
     return code, capsys.readouterr().err
@@ -120,7 +120,7 @@ def test_cli_config_checks_the_model_before_starting_ray(tiny_llama, tmp_path, c
 
 
 def test_the_tpserve_console_script_takes_config(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--help"],
+    result = subprocess.run([sys.executable, "-m", "cluster.cli.main", "serve", "--help"],
                             capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode == 0 and "--config" in result.stdout
 

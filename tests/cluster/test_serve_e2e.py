@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 
 from cluster.app import ServeConfig, build_app  # noqa: E402
-from cluster.grpc_service import grpc_options  # noqa: E402
+from cluster.api.grpc_service import grpc_options  # noqa: E402
 from cluster.metrics import kill_metrics_store  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
 from tiny_models import hf_greedy  # noqa: E402
@@ -167,7 +167,7 @@ def test_status_json_against_the_local_serve(client):
     # taken during the previous test's last request still counts it running: wait for an idle
     # report.
     while True:
-        done = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--address",
+        done = subprocess.run([sys.executable, "-m", "cluster.cli.main", "status", "--address",
                                address, "--json"], cwd=repo, capture_output=True, text=True,
                               timeout=120, env={**os.environ, "RAY_AUTH_MODE": "token",
                                                 "PYTHONPATH": str(repo)})

@@ -1,4 +1,4 @@
-"""`tpserve topology probe|parse|plan`, run as a user runs it: a subprocess of `-m cluster.cli`."""
+"""`tpserve topology probe|parse|plan`, run as a user runs it: a subprocess of `-m cluster.cli.main`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ H100_IBSTAT = DATA / "ibstat_h100_all_active.txt"
 
 
 def tpserve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", "topology", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "cluster.cli.main", "topology", *map(str, args)],
                           cwd=REPO, capture_output=True, text=True, timeout=60,
                           env={**os.environ, **(env or {})})
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.placement import GroupLoad, RequestDemand, rank_groups, tied_with_first
-from cluster.uniform_rank import CommittedOrder, is_uniform, rank_uniform
+from cluster.routing.ranking import GroupLoad, RequestDemand, rank_groups, tied_with_first
+from cluster.routing.uniform_rank import CommittedOrder, is_uniform, rank_uniform
 
 BS = 16
 

@@ -5,8 +5,6 @@ against a live endpoint in test_deploy_serve_run.py."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 
 import pytest
 
@@ -18,12 +16,8 @@ pytest.importorskip("promql_parser")
 
 
 def render_alerts_module():
-    spec = importlib.util.spec_from_file_location("render_alerts",
-                                                  REPO / "scripts" / "render_alerts.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["render_alerts"] = module
-    spec.loader.exec_module(module)
-    return module
+    from scripts import render_alerts
+    return render_alerts
 
 
 def test_the_plain_rules_file_is_the_charts_rule_rendered_with_defaults():

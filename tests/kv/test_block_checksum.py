@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from kv.block_checksum import (XXH3, DeviceHashUnavailable, ReferenceBlockHasher,
+from kv.integrity.block_checksum import (XXH3, DeviceHashUnavailable, ReferenceBlockHasher,
                                choose_block_checksum, index_identity, mix64_strategy, pool_rows,
                                select_checksum)
-from kv.checksum import mix64_checksum
+from kv.integrity.checksum import mix64_checksum
 from kv.kv_cache import KVCache, KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=3, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=6,
@@ -63,7 +63,7 @@ def test_select_by_device_row_size_and_cupy():
 
 
 def test_a_cpu_pool_gets_xxh3_in_one_log_line(caplog):
-    with caplog.at_level(logging.INFO, logger="kv.block_checksum"):
+    with caplog.at_level(logging.INFO, logger="kv.integrity.block_checksum"):
         assert choose_block_checksum(random_cache()) is XXH3
     assert [r.getMessage() for r in caplog.records] == [
         "KV block checksums: xxh3 (CPU pool: hashed by the copier threads as they copy)"]
@@ -76,7 +76,7 @@ def test_index_identity_names_the_function_except_xxh3():
 
 
 def test_without_cupy_the_loader_says_what_to_install(monkeypatch):
-    from kv import cupy_checksum
+    from kv.integrity import cupy_checksum
 
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
     with pytest.raises(DeviceHashUnavailable, match="cupy-cuda12x or cupy-cuda13x"):
@@ -84,7 +84,7 @@ def test_without_cupy_the_loader_says_what_to_install(monkeypatch):
 
 
 def test_importing_the_kv_package_does_not_import_cupy():
-    code = ("import sys, kv.transfer, kv.block_copier, kv.cupy_checksum; "
+    code = ("import sys, kv.tiers.transfer, kv.tiers.block_copier, kv.integrity.cupy_checksum; "
             "print('cupy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -92,7 +92,7 @@ def test_importing_the_kv_package_does_not_import_cupy():
 
 def test_kernel_source_is_the_reference_formula():
     """The kernel's constants are the reference's (the GPU check compares their results)."""
-    from kv import checksum, cupy_checksum
+    from kv.integrity import checksum, cupy_checksum
 
     source = cupy_checksum.KERNEL_SOURCE
     for constant in (checksum._GOLDEN, checksum._MUL1, checksum._MUL2):

@@ -6,9 +6,9 @@ import threading
 
 import torch
 
-from kv.block_copier import BlockCopier
-from kv.checksum import block_checksum
-from kv.host_buffer import HostBuffer
+from kv.tiers.block_copier import BlockCopier
+from kv.integrity.checksum import block_checksum
+from kv.tiers.host_buffer import HostBuffer
 from kv.kv_cache import KVCache, KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=2, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kv.checksum import block_checksum, mix64_checksum
+from kv.integrity.checksum import block_checksum, mix64_checksum
 
 MASK = (1 << 64) - 1
 # No per-example deadline: a shared 2-core machine stalls a 1 ms example now and then.

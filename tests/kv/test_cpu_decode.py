@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kv.cpu_decode as cpu_decode
+import kv.attention.cpu_decode as cpu_decode
 import kv.native_build as native_build
-from kv.cpu_decode import DecodeKernel, KernelBuildError, build, decode_kernel, reference_attend
+from kv.attention.cpu_decode import DecodeKernel, KernelBuildError, build, decode_kernel, reference_attend
 
 
 @pytest.fixture
@@ -136,7 +136,7 @@ def test_a_failing_compiler_is_named_with_its_error(monkeypatch, tmp_path):
 
 def test_without_a_compiler_decodes_take_the_pytorch_path(monkeypatch, fresh_kernel, caplog):
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    with caplog.at_level(logging.WARNING, logger="kv.cpu_decode"):
+    with caplog.at_level(logging.WARNING, logger="kv.attention.cpu_decode"):
         assert decode_kernel() is None
     assert "'/nonexistent/cc'" in caplog.text and "PyTorch path" in caplog.text
 

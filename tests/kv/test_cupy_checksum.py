@@ -1,7 +1,7 @@
 """The CuPy hasher's Python side on CPU: launch geometry, arguments, batches split at the grid's
 limit, the self-test and its refusals, against a stand-in ``cupy`` whose RawKernel runs the
 kernel's own loops (CTAs, threads, rows, segments) in Python. What this cannot check is the CUDA
-source itself; ``scripts/gpu_check_tiers.py`` compares the real kernel with the reference."""
+source itself; ``scripts/gpu/tiers.py`` compares the real kernel with the reference."""
 
 import contextlib
 import sys
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kv import cupy_checksum
-from kv.block_checksum import DeviceHashUnavailable, pool_rows, select_checksum
-from kv.checksum import mix64_checksum
+from kv.integrity import cupy_checksum
+from kv.integrity.block_checksum import DeviceHashUnavailable, pool_rows, select_checksum
+from kv.integrity.checksum import mix64_checksum
 from kv.kv_cache import KVCache, KVCacheSpec
 
 MASK = (1 << 64) - 1

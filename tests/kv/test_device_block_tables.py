@@ -7,10 +7,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kv.attention_metadata import SeqSlice
-from kv.block_table_metadata import (DeviceSeq, _Packed, build_block_table_metadata,
+from kv.attention.metadata import SeqSlice
+from kv.attention.block_table_metadata import (DeviceSeq, _Packed, build_block_table_metadata,
                                      build_device_step)
-from kv.device_block_tables import PADDING_ROW, DeviceBlockTables
+from kv.attention.device_block_tables import PADDING_ROW, DeviceBlockTables
 
 CPU = torch.device("cpu")
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kv.disk_index import lock_directory, read_snapshot, warn_unknown_files, write_snapshot
+from kv.tiers.disk.index import lock_directory, read_snapshot, warn_unknown_files, write_snapshot
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECORDS = [[1, 2, [3, 4]], [5, 6, []], [7, 8, [9]]]
@@ -71,7 +71,7 @@ def test_file_that_is_not_a_snapshot_is_ignored(tmp_path, caplog):
 
 _HOLD_LOCK = """
 import sys
-from kv.disk_index import lock_directory
+from kv.tiers.disk.index import lock_directory
 lock = lock_directory(sys.argv[1])
 print("locked", flush=True)
 sys.stdin.read()

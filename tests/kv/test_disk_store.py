@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kv.disk_store import DiskStore, aligned_buffer, plan_runs
+from kv.tiers.disk.store import DiskStore, aligned_buffer, plan_runs
 
 SLOT = 4096
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -125,7 +125,7 @@ def test_reading_a_truncated_file_fails_exactly_the_missing_slots(tmp_path):
 _WRITE_UNDER_FSIZE_LIMIT = """
 import json, resource, signal, sys
 from pathlib import Path
-from kv.disk_store import DiskStore, aligned_buffer
+from kv.tiers.disk.store import DiskStore, aligned_buffer
 path, slot_bytes, limit = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from attention_reference import dense_reference
-from kv.attention_backend import TorchAttentionBackend
-from kv.attention_metadata import DECODE_BUCKET_SIZE, SeqSlice, build_attention_metadata
+from kv.attention.backend import TorchAttentionBackend
+from kv.attention.metadata import DECODE_BUCKET_SIZE, SeqSlice, build_attention_metadata
 from kv.kv_cache import KVCache, KVCacheSpec, write_kv
-from kv.paged_attention import (CPU_FLASH_HAS_GQA, SDPA_HAS_GQA, SPLIT_MIN_QUERY, gqa_in_place,
+from kv.attention.torch_paged import (CPU_FLASH_HAS_GQA, SDPA_HAS_GQA, SPLIT_MIN_QUERY, gqa_in_place,
                                 paged_attention)
 
 

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from kv.disk_store import DiskStore
-from kv.striped_disk import StripeLayout, StripedDiskStore, stripe_unit_slots
+from kv.tiers.disk.store import DiskStore
+from kv.tiers.disk.striped import StripeLayout, StripedDiskStore, stripe_unit_slots
 
 from test_disk_store import REPO_ROOT, SLOT, _slot_views
 
@@ -128,8 +128,8 @@ def test_a_read_error_in_one_directory_fails_only_its_slots(tmp_path):
 
 WRITE_ERROR_SCRIPT = """
 import json, resource, signal, sys
-from kv.disk_store import aligned_buffer
-from kv.striped_disk import StripedDiskStore
+from kv.tiers.disk.store import aligned_buffer
+from kv.tiers.disk.striped import StripedDiskStore
 store = StripedDiskStore(json.loads(sys.argv[1]), num_slots=24, slot_bytes=4096,
                          max_io_bytes=8 * 4096)  # units of 8: d0 holds 0..7 and 16..23
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

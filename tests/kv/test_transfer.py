@@ -15,15 +15,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kv.block_checksum import ReferenceBlockHasher, index_identity, mix64_strategy
-from kv.disk_index import write_snapshot
-from kv.disk_store import DiskStore
-from kv.striped_disk import StripedDiskStore
-from kv.host_buffer import HostBuffer
+from kv.integrity.block_checksum import ReferenceBlockHasher, index_identity, mix64_strategy
+from kv.tiers.disk.index import write_snapshot
+from kv.tiers.disk.store import DiskStore
+from kv.tiers.disk.striped import StripedDiskStore
+from kv.tiers.host_buffer import HostBuffer
 from kv.kv_cache import KVCache, KVCacheSpec
-from kv.tier_ops import OpStatus, ReadDisk, Restore, SaveIndex, Spill, WriteDisk
-from kv.disk_transfer import INDEX_KIND
-from kv.transfer import TransferEngine, split_runs
+from kv.tiers.ops import OpStatus, ReadDisk, Restore, SaveIndex, Spill, WriteDisk
+from kv.tiers.disk.transfer import INDEX_KIND
+from kv.tiers.transfer import TransferEngine, split_runs
 from workers.multiproc import free_tcp_init_method
 
 OK, CHECKSUM, IO_ERROR = OpStatus.OK, OpStatus.CHECKSUM, OpStatus.IO_ERROR

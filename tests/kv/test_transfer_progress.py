@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from kv.tier_ops import OpStatus
-from kv.transfer_progress import TransferError, TransferProgress
+from kv.tiers.ops import OpStatus
+from kv.tiers.transfer_progress import TransferError, TransferProgress
 
 
 @pytest.mark.timeout(30)

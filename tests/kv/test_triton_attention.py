@@ -9,7 +9,7 @@ the raw bits of bfloat16 ``tl.dot`` operands (triton-lang/triton#11584); a GPU c
 
 import os
 
-# Before triton's @jit decorates the kernels (kv.triton_attention); TRITON_INTERPRET=0 runs them
+# Before triton's @jit decorates the kernels (kv.attention.triton_paged); TRITON_INTERPRET=0 runs them
 # on a GPU instead.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -23,10 +23,10 @@ from hypothesis import strategies as st  # noqa: E402
 pytest.importorskip("triton")
 
 from attention_reference import dense_reference  # noqa: E402
-from kv import triton_attention  # noqa: E402
-from kv.attention_backend import TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
-from kv.attention_metadata import SeqSlice, first_key_position  # noqa: E402
-from kv.block_table_metadata import build_block_table_metadata  # noqa: E402
+from kv.attention import triton_paged as triton_attention  # noqa: E402
+from kv.attention.backend import TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
+from kv.attention.metadata import SeqSlice, first_key_position  # noqa: E402
+from kv.attention.block_table_metadata import build_block_table_metadata  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -9,9 +9,9 @@ hold NaN, which would poison any output that gathered them (0 * NaN is NaN).
 import pytest
 import torch
 
-from kv.attention_metadata import SeqSlice, build_attention_metadata, build_layer_metadata
+from kv.attention.metadata import SeqSlice, build_attention_metadata, build_layer_metadata
 from kv.kv_cache import write_kv
-from kv.paged_attention import paged_attention
+from kv.attention.torch_paged import paged_attention
 
 BLOCK, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
 

@@ -8,10 +8,10 @@ import pytest
 from kv.eviction import LRUPolicy
 from kv.kv_manager import KVCacheManager
 from kv.prefix_hash import hash_block
-from kv.tier_index import TierIndex
-from kv.tier_ops import OpStatus, Spill, TierOpResults, WriteDisk
-from kv.tiers import KVTiers
-from kv.write_policy import HitCounter, SpillPacer, check_write_policy
+from kv.tiers.index import TierIndex
+from kv.tiers.ops import OpStatus, Spill, TierOpResults, WriteDisk
+from kv.tiers.hierarchy import KVTiers
+from kv.tiers.write_policy import HitCounter, SpillPacer, check_write_policy
 
 BLOCK = 2
 

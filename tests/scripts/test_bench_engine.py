@@ -76,7 +76,7 @@ def test_malformed_trace_exits_nonzero_naming_the_file(tmp_path):
 
 
 def test_clamp_lengths_fits_the_context(bench):
-    clamp_lengths = sys.modules["engine_workloads"].clamp_lengths  # loaded by bench_engine
+    from scripts.engine.workloads import clamp_lengths
     assert clamp_lengths(0, 0, 100, None) == (1, 1)
     assert clamp_lengths(500, 20, 100, None) == (80, 20)
     assert clamp_lengths(10, 500, 100, None) == (1, 99)

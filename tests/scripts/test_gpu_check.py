@@ -109,7 +109,7 @@ def test_a_fault_left_for_the_teardown_is_the_sections_error_and_the_run_goes_on
         monkeypatch, gpu_check):
     # A sticky CUDA fault makes empty_cache raise in the teardown of the section that caused it
     # (free_device_memory returns that error instead of raising: simulated, no GPU here).
-    import gpu_check_common
+    from scripts.gpu import common as gpu_check_common
 
     _fake_sections(monkeypatch, gpu_check)
     faults = iter(["RuntimeError: CUDA error: an illegal memory access was encountered"])
@@ -122,7 +122,7 @@ def test_a_fault_left_for_the_teardown_is_the_sections_error_and_the_run_goes_on
 
 
 def test_the_summary_is_printed_even_when_the_runner_fails(monkeypatch, gpu_check, capsys):
-    from gpu_check_common import Report
+    from scripts.gpu.common import Report
 
     def broken(ctx, args, started, header, reports):
         reports.append(Report("greedy_parity"))
@@ -145,7 +145,7 @@ def test_sections_past_the_time_budget_are_skipped_not_failed(monkeypatch, gpu_c
 
 
 def test_mismatch_counts_positions_and_missing_tokens(gpu_check):
-    from gpu_check_common import token_mismatch
+    from scripts.gpu.common import token_mismatch
 
     drift = token_mismatch([[1, 2, 3], [4, 5], [7, 8]], [[1, 2, 3], [4, 6, 6], [9, 8]])
     assert drift["token_mismatch_rate"] == pytest.approx(3 / 8)
@@ -175,7 +175,7 @@ class OtherDefaultConfig:
 
 
 def test_variants_follow_the_config_fields(gpu_check):
-    import gpu_check_parity as parity
+    from scripts.gpu import parity
 
     assert parity.variants(PlainConfig) == [parity.Variant()]
     assert parity.Variant().kwargs() == {} and parity.Variant().name == "default"
@@ -191,8 +191,8 @@ TRACE_HEAD = Path(__file__).parent.parent / "data/traces/AzureLLMInferenceTrace_
 
 
 def test_trace_lengths_are_the_first_64_azure_code_requests(gpu_check):
-    import gpu_check_throughput as throughput
-    from traces import read_azure
+    from scripts.gpu import throughput
+    from scripts.traces import read_azure
 
     rows = read_azure(TRACE_HEAD, 64)
     assert len(rows) == 64
@@ -205,10 +205,10 @@ def test_trace_lengths_are_the_first_64_azure_code_requests(gpu_check):
 
 def test_device_checksum_tier_path_passes_with_the_reference_hasher(gpu_check, monkeypatch,
                                                                     tmp_path):
-    import gpu_check_device_checksum as device_checksum
-    from gpu_check_common import Report
-    from kv import block_copier
-    from kv.block_checksum import ReferenceBlockHasher, mix64_strategy
+    from scripts.gpu import device_checksum
+    from scripts.gpu.common import Report
+    from kv.tiers import block_copier
+    from kv.integrity.block_checksum import ReferenceBlockHasher, mix64_strategy
 
     monkeypatch.setattr(block_copier, "choose_block_checksum",
                         lambda kv_cache: mix64_strategy(ReferenceBlockHasher(kv_cache)))
@@ -218,8 +218,8 @@ def test_device_checksum_tier_path_passes_with_the_reference_hasher(gpu_check, m
 
 
 def test_device_checksum_is_not_available_on_cpu_or_without_cupy(gpu_check, monkeypatch):
-    import gpu_check_device_checksum as device_checksum
-    from gpu_check_common import Report
+    from scripts.gpu import device_checksum
+    from scripts.gpu.common import Report
 
     ctx = types.SimpleNamespace(is_cuda=False)
     report = Report("tier_copies")

@@ -1,4 +1,4 @@
-"""scripts/tier_replay.py: which requests a replay adds when (closed and open loop), and that an
+"""scripts/tiers/replay.py: which requests a replay adds when (closed and open loop), and that an
 open-loop TTFT counts the time a request waited for the engine."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from bench_scripts import load_script
 @pytest.fixture(scope="module")
 def replay_module():
     load_script("bench_kv_tiers")  # puts scripts/ on the path
-    import tier_replay
+    from scripts.tiers import replay as tier_replay
     return tier_replay
 
 

@@ -16,7 +16,7 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kv.attention_backend import (resolve_attention_backend,  # noqa: E402
+from kv.attention.backend import (resolve_attention_backend,  # noqa: E402
                                   sdpa_for_fresh_prefills)
 from tiny_models import build_checkpoint, hf_greedy  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
@@ -119,7 +119,7 @@ def test_triton_engine_with_a_sliding_window(tmp_path):
 
 
 def tpserve(*args, env):
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cluster.cli.main", *args], capture_output=True,
                           text=True, timeout=300, env=env)
 
 

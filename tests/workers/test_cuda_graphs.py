@@ -103,8 +103,8 @@ def test_the_torch_backend_keeps_its_host_lists(tiny_llama):
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
 def test_enforce_eager_reaches_the_engine_config(command):
-    from cluster.cli import build_parser
-    from cluster.cli_generate import engine_config
+    from cluster.cli.main import build_parser
+    from cluster.options import engine_config
 
     parser = build_parser()
     assert engine_config(parser.parse_args(command + ["--enforce-eager"])).enforce_eager is True

@@ -20,8 +20,8 @@ import sys
 
 import pytest
 
-from kv import block_copier
-from kv.block_checksum import ReferenceBlockHasher, mix64_strategy
+from kv.tiers import block_copier
+from kv.integrity.block_checksum import ReferenceBlockHasher, mix64_strategy
 from tiny_models import build_checkpoint, hf_greedy
 from workers.config import EngineConfig
 from workers.llm import LLM

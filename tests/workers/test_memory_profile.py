@@ -13,8 +13,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from cluster.cli import build_parser  # noqa: E402
-from cluster.cli_generate import engine_config  # noqa: E402
+from cluster.cli.main import build_parser  # noqa: E402
+from cluster.options import engine_config  # noqa: E402
 from cluster.serve_config import serve_config_from_args  # noqa: E402
 from tiny_models import hf_greedy  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402

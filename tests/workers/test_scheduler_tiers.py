@@ -6,9 +6,9 @@ import torch
 
 from kv.eviction import HotnessPolicy, HotnessTracker, LRUPolicy
 from kv.kv_manager import KVCacheManager
-from kv.tier_index import TierIndex
-from kv.tier_ops import OpStatus, Restore, Spill, TierOpResults
-from kv.tiers import KVTiers
+from kv.tiers.index import TierIndex
+from kv.tiers.ops import OpStatus, Restore, Spill, TierOpResults
+from kv.tiers.hierarchy import KVTiers
 from workers.request import FinishReason, Request, RequestStatus
 from workers.sampler import SampledToken
 from workers.sampling_params import SamplingParams

@@ -3,7 +3,7 @@ list of disk directories and the engine's claim on them."""
 
 import pytest
 
-from kv.disk_index import lock_directory, write_snapshot
+from kv.tiers.disk.index import lock_directory, write_snapshot
 from workers.config import EngineConfig
 from workers.tier_setup import RankTierConfig, build_kv_manager, claim_engine_dir, tier_sizes
 

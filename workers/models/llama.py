@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kv.attention_backend import AttentionBackend, StepMetadata, TorchAttentionBackend
+from kv.attention.backend import AttentionBackend, StepMetadata, TorchAttentionBackend
 from kv.kv_cache import KVCache
 from parallel.embedding import ParallelLMHead, VocabParallelEmbedding
 from parallel.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
