@@ -36,10 +36,7 @@ from workers.engine_sizing import check_model, context_length, fit_context_to_po
 from workers.model_config import ModelConfig, load_model_config
 
 
-ROUTERS = ("kv", "kv_strict", "kv_queue", "kv_headroom", "pow2", "prefix_affinity",
-           "round_robin")
-
-QUEUE_VARIANT_WEIGHT = 2.0  # llm-d's queue scorer's weight beside prefix 3 and KV usage 2
+ROUTERS = ("kv", "pow2", "prefix_affinity", "round_robin")
 
 
 logger = logging.getLogger(__name__)
@@ -56,9 +53,7 @@ class ServeConfig:
     # How Serve places each group's ranks (Ray's placement group strategy; --placement serve).
     # None: PACK, as Ray Serve LLM (one node where one has room, else spilling to others).
     placement_strategy: Optional[str] = None
-    # "kv": tpserve's KV-aware router ("kv_strict": with its former prefix-first order;
-    # "kv_queue": with the pending-tokens score at weight QUEUE_VARIANT_WEIGHT; "kv_headroom":
-    # its load score relative to the target rather than to the busiest group);
+    # "kv": tpserve's KV-aware router;
     # baselines (cluster/routing/baseline_routers.py): "pow2" (Serve's default), "prefix_affinity",
     # "round_robin"
     router: str = "kv"
@@ -227,8 +222,7 @@ def kv_aware_router_config(stats_period_s: float = 0.5, stats_timeout_s: Optiona
     fields; the rest at their defaults) validated here rather than in the first caller.
     ``max_report_age_s`` defaults to the larger of 5 s and ten stats periods, and a charge no
     report lists expires after twice that; ``block_size`` is the one the callers'
-    ``block_hashes`` use (by default, the groups'); the weights are `rank_groups`' (load_weight
-    0: the strict prefix-first order)."""
+    ``block_hashes`` use (by default, the groups'); the weights are `rank_groups`'."""
     settings.setdefault("max_report_age_s", max(DEFAULT_MAX_REPORT_AGE_S, 10 * stats_period_s))
     settings.setdefault("charge_ttl_s", 2 * settings["max_report_age_s"])
     # raises ValueError now, not on the first request
@@ -253,14 +247,10 @@ def router_config(config: ServeConfig) -> RequestRouterConfig:
         cls = (baseline_routers.TokenPrefixAffinityRouter if config.router == "prefix_affinity"
                else baseline_routers.RoundRobinRouter)
         return RequestRouterConfig(request_router_class=cls, **stats)
-    kwargs = {"target_occupancy": config.kv_target_occupancy}
-    if config.router == "kv_strict":
-        kwargs["load_weight"] = 0.0
-    if config.router == "kv_queue":
-        kwargs["queue_weight"] = QUEUE_VARIANT_WEIGHT
-    if config.router == "kv_headroom":
-        kwargs["load_scale"] = "target"
-    return kv_aware_router_config(stats_period_s=config.routing_stats_period_s, **kwargs)
+    # The ingress hashes prompts at the engine's block size: the router counts blocks at it too.
+    return kv_aware_router_config(stats_period_s=config.routing_stats_period_s,
+                                  target_occupancy=config.kv_target_occupancy,
+                                  block_size=config.engine.block_size)
 
 
 def build_app(config: ServeConfig, cluster: Dict[str, float]):

@@ -93,8 +93,7 @@ from scripts.traces import (MOONCAKE_SYNTHETIC_TRACE, TraceError, TraceRequest, 
 
 DEFAULT_TRACE = MOONCAKE_SYNTHETIC_TRACE
 ROUTERS = ("kv", "pow2", "prefix_affinity", "round_robin")
-OPTIONAL_ROUTERS = ("kv_strict", "kv_queue", "kv_headroom")  # KV-aware variants (cluster/app.py)
-SWEPT_ROUTERS = ("kv",) + OPTIONAL_ROUTERS  # the routers that take the occupancy target
+SWEPT_ROUTERS = ("kv",)  # the routers that take the occupancy target
 DEFAULT_PLOT = "/tmp/tpserve_bench_serve_sweep.png"
 DEFAULT_ROUNDS_PLOT = "/tmp/tpserve_bench_serve_ttft.png"
 
@@ -140,7 +139,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="each group's host KV tier, in blocks (0: none): blocks the pool "
                         "evicts are copied back from there instead of recomputed")
     p.add_argument("--routers", default=",".join(ROUTERS),
-                   help=f"comma-separated, of {', '.join(ROUTERS + OPTIONAL_ROUTERS)}")
+                   help=f"comma-separated, of {', '.join(ROUTERS)}")
     p.add_argument("--target", default="0.7",
                    help="the KV-aware router's occupancy target; several (0.5,0.6,...): a "
                         "sweep of each KV-aware router named, the others run once")
@@ -173,9 +172,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error("--groups must be at least 1, --system-prompt-blocks and --host-kv-blocks at "
                 "least 0, --kv-pressure positive")
     args.routers = [r.strip() for r in args.routers.split(",") if r.strip()]
-    if not args.routers or set(args.routers) - set(ROUTERS + OPTIONAL_ROUTERS):
+    if not args.routers or set(args.routers) - set(ROUTERS):
         p.error(f"--routers takes a comma-separated list of "
-                f"{', '.join(ROUTERS + OPTIONAL_ROUTERS)}")
+                f"{', '.join(ROUTERS)}")
     try:
         args.targets = [float(t) for t in args.target.split(",")]
     except ValueError:

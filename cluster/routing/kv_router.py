@@ -1,15 +1,13 @@
 """The KV-aware Serve request router: a Ray edge around `cluster.routing.ranking.rank_groups`.
 
-    caller: handle.generate.remote(payload, num_tokens=T, block_hashes=H)   (block_size=B optional)
+    caller: handle.generate.remote(payload, num_tokens=T, block_hashes=H)
       -> KVAwareRouter.choose_replicas: each replica's routing stats + tokens charged to it since
          -> GroupLoads (built on each replica update, patched per charge: `FleetLoads`)
          + every group's cached prefix of H in one walk (`PrefixIndex`)
          -> rank_groups -> [[best replica], [next], ..., [replicas without a report]]
-            (the same ranking by `cluster.routing.uniform_rank.rank_uniform` for fleets of 24+ groups
-            with one pool size and fresh reports: no Python pass over every group, the order
-            by committed blocks kept in `FleetLoads.kept` and moved with each charge; for such
-            fleets of up to 64 groups, the walk and the ranking are one C call,
-            `cluster.routing.native_rank`, with the same result)
+            (for a fleet of up to 64 groups with one pool size and fresh reports, the walk and
+            the ranking are one C call, `cluster.routing.native_rank`, with rank_groups' result;
+            the order by committed blocks is kept in `FleetLoads.kept`, moved with each charge)
          (groups tied on every key but the group id: the one given the fewest tokens first)
          and T is charged to the first choice at once (the rest of a burst must see it)
       -> Serve tries the ranks in order (a full replica, by its queue length, is passed over)
@@ -17,7 +15,9 @@
          (and the kept order with it: the request is on its way, the next decision is not)
 
 The keyword arguments reach the replica's method too, so the group deployment's ``generate``
-accepts ``num_tokens``, ``block_hashes`` and ``block_size``. Its ``record_routing_stats()`` returns
+accepts ``num_tokens`` and ``block_hashes``. The request's blocks are counted at the router's
+block size (`RouterSettings.block_size`, the engine's), or the groups' reported one where the
+router was built without it (`_block_size`). Its ``record_routing_stats()`` returns
 
     {"seq": int, "time": float (the group's clock, for people only), "kv_blocks_used": int,
      "kv_blocks_total": int, "block_size": int, "waiting_tokens": int,
@@ -72,7 +72,6 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
@@ -89,18 +88,20 @@ from cluster.routing import native_rank
 from cluster.routing.load_report import FleetLoads, ReplicaLoadTracker
 from cluster.metrics import register_router_decisions
 from cluster.routing.ranking import GroupLoad, Placement, RequestDemand, rank_groups, tied_with_first
+from cluster.routing.decision import (  # the labels are tpserve:router_decisions' too
+    FALLBACK_BAD_DEMAND,
+    FALLBACK_NO_NUM_TOKENS,
+    FALLBACK_NO_REPORTS,
+    NO_HEALTHY_GROUP,
+    NO_REPORT,
+    PendingDecision,
+)
+from cluster.routing.fleet_order import UniformRanking
 from cluster.routing.prefix_index import PrefixIndex
 from cluster.routing.settings import RouterSettings
-from cluster.routing.uniform_rank import UniformRanking, rank_uniform
-from kv.prefix_hash import BlockHash
 
 logger = logging.getLogger(__name__)
 
-FALLBACK_NO_NUM_TOKENS = "fallback_no_num_tokens"  # no num_tokens kwarg: not a generation call
-FALLBACK_BAD_DEMAND = "fallback_bad_demand"  # num_tokens / block_hashes / block_size unusable
-FALLBACK_NO_REPORTS = "fallback_no_reports"  # no replica has reported its load yet
-NO_REPORT = "no_report"  # placed on a replica without a report (every reported one was full)
-NO_HEALTHY_GROUP = "no_healthy_group"  # every replica reported a dead engine: none is ranked
 
 # Decisions waiting for on_request_routed. Serve may report a fast request completed before it
 # reports it routed, so completion cannot clear them; the ones never routed (cancelled while
@@ -124,54 +125,6 @@ def _register(router: "KVAwareRouter") -> None:
         module._live_routers.add(router)
 
 
-# From this many groups up a decision ranks with rank_uniform (the kept order, the groups with a
-# longer prefix scored alone); below, rank_groups' pass over every group costs about as much.
-# scripts/bench_router.py, p50 us hot / cold, rank_groups against rank_uniform when rank_uniform
-# still sorted per decision: 8 groups 14.7 / 79.6 against 20.4 / 96.4; 16 groups 19.6 / 101.5
-# against 23.1 / 102.4; 32 groups 29.8 / 129.2 against 25.4 / 112.2. With the kept order (this
-# threshold and 1, same session, on a host where pow2's own cold figure varied 16-39 us):
-# 2 groups 12.1 / 74.6 against 16.0 / 99.7, 8 groups 18.1 / 102.7 against 14.4 / 98.5: within
-# that noise, so the threshold stays. It holds where the C ranking (`cluster.routing.native_rank`) does
-# not run; where it does, every uniform fleet takes it: scripts/bench_router.py, p50 us cold, C
-# against Python: 64 groups 26.8 / 76.2, and 2 and 8 groups (then ranked by rank_groups) 53-64.
-_UNIFORM_MIN_GROUPS = 24
-
-
-@dataclass
-class _PendingDecision:
-    """What choose_replicas decided for a request, kept until a replica accepts it."""
-
-    num_tokens: int
-    placements: Optional[Sequence[Placement]]  # None: fallback (reason below)
-    fallback_reason: str = NO_REPORT
-    charged: Optional[ReplicaID] = None  # the replica charged for it on the decision
-    block_hashes: Tuple[BlockHash, ...] = ()  # its prompt's, noted where it is accepted
-    block_size: int = 1
-    first_tokens: Optional[int] = None  # tokens_on(the first choice), where known already
-
-    def tokens_on(self, group_id: str) -> int:
-        """What the request adds to ``group_id``'s pool: its tokens less the blocks of its prefix
-        the group has cached (as ranked; all of them where it was not ranked)."""
-        return max(0, self.num_tokens - self.cached_on(group_id) * self.block_size)
-
-    def cached_on(self, group_id: str) -> int:
-        """The request's leading blocks ``group_id`` holds, as ranked (0 where not ranked)."""
-        placements = self.placements
-        if isinstance(placements, UniformRanking):
-            return placements.cached_blocks_of(group_id)
-        return next((p.cached_prefix_blocks or 0 for p in placements or ()
-                     if p.group_id == group_id), 0)
-
-    def longest_cached(self) -> Tuple[int, str]:
-        """The most leading request blocks any ranked group holds, and that group's reason
-        (the first such in rank order; (0, "") without a ranking)."""
-        placements = self.placements
-        if isinstance(placements, UniformRanking):
-            return placements.longest_cached()
-        best = max(placements or (), key=lambda p: p.cached_prefix_blocks or 0, default=None)
-        return (best.cached_prefix_blocks or 0, best.reason.value) if best else (0, "")
-
-
 class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """Places each generation request on the TP group with room for it (see the module doc).
 
@@ -188,7 +141,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # The loads of Serve's replica list, patched with the groups changed since (see _fleet).
         self._fleet_cache: Optional[FleetLoads] = None
         self._changed: Set[str] = set()
-        self._pending: "collections.OrderedDict[str, _PendingDecision]" = (
+        self._pending: "collections.OrderedDict[str, PendingDecision]" = (
             collections.OrderedDict()
         )
         # Read from other threads (metrics), written on the router's event loop.
@@ -250,13 +203,13 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         start_ns = time.perf_counter_ns()
         request_id = pending_request.metadata.internal_request_id
         # Few function calls on this path: each costs a fetch of its code when caches are cold
-        # (README, scripts/bench_router.py), so small helpers are inlined here.
+        # (docs/routing.md), so small helpers are inlined here.
         earlier = self._pending.pop(request_id, None)
         if earlier is not None:  # a retry: its earlier choice refused it
             self._release(earlier, request_id)
         num_tokens = pending_request.kwargs.get("num_tokens")
         if num_tokens is None:
-            self._remember(request_id, _PendingDecision(0, None, FALLBACK_NO_NUM_TOKENS))
+            self._remember(request_id, PendingDecision(0, None, FALLBACK_NO_NUM_TOKENS))
             return await self._power_of_two(candidate_replicas, pending_request)
         ranks, decision = self._rank(candidate_replicas, pending_request.kwargs, num_tokens)
         if ranks == []:  # every group's engine died: Serve asks again until a replacement runs
@@ -305,12 +258,11 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         candidate_replicas: List[RunningReplica],
         request_kwargs: Mapping[str, Any],
         num_tokens: Any,
-    ) -> Tuple[Optional[List[List[RunningReplica]]], _PendingDecision]:
+    ) -> Tuple[Optional[List[List[RunningReplica]]], PendingDecision]:
         """Ranked replicas and the decision to remember; (None, fallback) to fall back."""
         fleet = self._fleet(candidate_replicas, time.time())
         if fleet.native is not None:  # a uniform fleet of up to 64 groups: one C call
-            block_size = (request_kwargs.get("block_size") or self._settings.block_size
-                          or fleet.loads[0].block_size)  # as _demand takes it
+            block_size = self._block_size(fleet.loads)
             try:
                 (ranks, order, committed, prefix, base, num_blocks, hashes,
                  first_tokens) = self._native.rank(
@@ -323,51 +275,40 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                                             num_blocks, self._settings.target_occupancy)
                 if fleet.unreported:
                     ranks.append(list(fleet.unreported))
-                return ranks, _PendingDecision(num_tokens, placements, NO_REPORT, None, hashes,
+                return ranks, PendingDecision(num_tokens, placements, NO_REPORT, None, hashes,
                                                block_size, first_tokens)
         loads, by_group, unreported = fleet.loads, fleet.by_group, fleet.unreported
         if not loads and not unreported and fleet.num_dead:
-            return [], _PendingDecision(0, None, NO_HEALTHY_GROUP)
+            return [], PendingDecision(0, None, NO_HEALTHY_GROUP)
         if not loads:
             # Still charged where it lands: the first reports then start from the right count.
             valid = isinstance(num_tokens, int) and num_tokens >= 0
-            return None, _PendingDecision(num_tokens if valid else 0, None, FALLBACK_NO_REPORTS)
+            return None, PendingDecision(num_tokens if valid else 0, None, FALLBACK_NO_REPORTS)
         try:
-            demand = self._demand(request_kwargs, num_tokens, loads[0].block_size)
+            demand = RequestDemand(num_tokens, tuple(request_kwargs.get("block_hashes") or ()),
+                                   self._block_size(loads))
         except (ValueError, TypeError) as e:
             if not self._warned_bad_demand:
                 self._warned_bad_demand = True
                 logger.warning("routing by power of two choices: bad request demand: %s", e)
-            return None, _PendingDecision(0, None, FALLBACK_BAD_DEMAND)
+            return None, PendingDecision(0, None, FALLBACK_BAD_DEMAND)
         settings = self._settings
-        placements: Sequence[Placement]
-        if fleet.kept is not None:  # a large uniform fleet: no Python pass over every group
-            base, longer = self._prefix_index.prefix_split(demand.block_hashes, fleet.bits,
-                                                           fleet.index_of_bit)
-            placements = rank_uniform(
-                demand, loads, fleet.kept, base, longer, settings.target_occupancy,
-                settings.prefix_weight, settings.load_weight, settings.load_scale)
-            ranks = list(map(fleet.ranks.__getitem__, placements.order))
-        else:
-            placements = rank_groups(
-                demand, loads, settings.target_occupancy, settings.max_report_age_s,
-                settings.prefix_weight, settings.load_weight,
-                self._prefix_index.prefix_blocks(demand.block_hashes), settings.queue_weight,
-                settings.load_scale,
-            )
-            ranks = [[by_group[placement.group_id]] for placement in placements]
+        placements = rank_groups(
+            demand, loads, settings.target_occupancy, settings.max_report_age_s,
+            settings.prefix_weight, settings.load_weight,
+            self._prefix_index.prefix_blocks(demand.block_hashes))
+        ranks = [[by_group[placement.group_id]] for placement in placements]
         if unreported:
             ranks.append(list(unreported))  # a copy: the kept loads must not change with it
-        return ranks, _PendingDecision(demand.num_tokens, placements,
+        return ranks, PendingDecision(demand.num_tokens, placements,
                                        block_hashes=demand.block_hashes,
                                        block_size=demand.block_size or 1)
 
     def _fleet(self, candidate_replicas: List[RunningReplica], now: float) -> FleetLoads:
         """The candidates' loads. Serve passes its own replica list, a new object with every
         replica or report update; `update_replicas` builds its loads, and a decision only looks
-        again at the groups changed since (charges, releases), not at every group: with 64
-        groups the loop over all of them cost 89 us of a 200 us decision when the router's
-        caches were cold, as they are between engine steps (``scripts/bench_router.py``)."""
+        again at the groups changed since (charges, releases), not at every group (a loop over
+        every group is most of a decision when caches are cold: docs/routing.md)."""
         fleet = self._fleet_cache
         changed = self._changed
         max_age_s = self._settings.max_report_age_s
@@ -385,26 +326,15 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def _new_fleet(self, replicas: List[RunningReplica], now: float) -> FleetLoads:
         fleet = FleetLoads(replicas, self._tracker_of, now, self._settings.max_report_age_s,
-                           self._uniform_from())
+                           keep_order=self._native is not None)
         if self._native is not None:
             fleet.native = native_rank.fleet_state(self._prefix_index, fleet, self._settings)
         return fleet
 
-    def _uniform_from(self) -> Optional[int]:
-        """The fewest groups ranked by rank_uniform (None: never, with a queue score): every
-        uniform fleet where the C ranking runs, else 24 (see _UNIFORM_MIN_GROUPS)."""
-        if self._settings.queue_weight:
-            return None
-        return 1 if self._native is not None else _UNIFORM_MIN_GROUPS
-
-    def _demand(
-        self, request_kwargs: Mapping[str, Any], num_tokens: Any, groups_block_size: int
-    ) -> RequestDemand:
-        block_hashes = tuple(request_kwargs.get("block_hashes") or ())
-        block_size = (
-            request_kwargs.get("block_size") or self._settings.block_size or groups_block_size
-        )
-        return RequestDemand(num_tokens, block_hashes, block_size)
+    def _block_size(self, loads: Sequence[GroupLoad]) -> int:
+        """The block size the request's blocks are counted at: the router's (the engine's), else
+        the first group's report."""
+        return self._settings.block_size or loads[0].block_size
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
@@ -482,13 +412,13 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if earlier is not None:
             self._release(earlier, request_id)
 
-    def _release(self, decision: _PendingDecision, request_id: str) -> None:
+    def _release(self, decision: PendingDecision, request_id: str) -> None:
         if decision.charged is not None:
             tracker = self._trackers.get(decision.charged.unique_id)
             if tracker is not None:  # else the replica is gone, and its charges with it
                 tracker.release(request_id)
 
-    def _remember(self, request_id: str, decision: _PendingDecision) -> None:
+    def _remember(self, request_id: str, decision: PendingDecision) -> None:
         self._pending[request_id] = decision
         while len(self._pending) > MAX_PENDING_REQUESTS:
             self._pending.popitem(last=False)  # its charge goes with the replica's next report

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequ
 
 from cluster.routing.ranking import DEFAULT_MAX_REPORT_AGE_S, GroupLoad
 from cluster.routing.prefix_index import PrefixIndex
-from cluster.routing.uniform_rank import CommittedOrder, is_uniform
+from cluster.routing.fleet_order import CommittedOrder, is_uniform
 from kv.prefix_hash import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -258,11 +258,11 @@ class FleetLoads:
     ``replica_id.unique_id`` and ``routing_stats``; a replica whose report says its engine died
     (``"engine_alive": false``) is counted in ``num_dead`` and left out.
 
-    A fleet the router ranks with `cluster.routing.uniform_rank.rank_uniform` (``uniform_from`` groups
-    or more, and `is_uniform`) keeps its current committed blocks in ``kept`` (a
-    `CommittedOrder`) and its ``loads`` as the reports left them; any other fleet has its
-    ``loads`` patched and ``kept`` None. ``native``: what the router's C ranking reads of a
-    kept fleet, set by the router (None: it ranks in Python)."""
+    A fleet the router ranks with its C ranking (``keep_order``, and `is_uniform`) keeps its
+    current committed blocks in ``kept`` (a `cluster.routing.fleet_order.CommittedOrder`) and
+    its ``loads`` as the reports left them; any other fleet has its ``loads`` patched and
+    ``kept`` None. ``native``: what the router's C ranking reads of a kept fleet, set by the
+    router (None: it ranks in Python)."""
 
     __slots__ = ("replicas_list", "built_at", "loads", "replicas", "ranks", "by_group",
                  "position", "index_of_bit", "bits", "kept", "unreported", "num_dead",
@@ -270,7 +270,7 @@ class FleetLoads:
 
     def __init__(self, replicas_list: Sequence[Any],
                  tracker_of: Callable[[Any], "ReplicaLoadTracker"], now: float,
-                 max_report_age_s: float, uniform_from: Optional[int] = None) -> None:
+                 max_report_age_s: float, keep_order: bool = False) -> None:
         self.replicas_list = replicas_list  # compared by identity
         self.built_at = now
         self.loads: List[GroupLoad] = []
@@ -304,8 +304,7 @@ class FleetLoads:
         self._oldest_fresh_age_s = oldest
         # A patch changes charges only: a group's pool, block size and report come with a new
         # replica list (a new FleetLoads), and holds_until keeps fresh reports fresh until then.
-        uniform = (uniform_from is not None and len(self.loads) >= uniform_from
-                   and is_uniform(self.loads, max_report_age_s))
+        uniform = keep_order and is_uniform(self.loads, max_report_age_s)
         self.kept = CommittedOrder(self.loads) if uniform else None
         self.native: Optional[tuple] = None  # the router's `cluster.routing.native_rank.fleet_state`
 

@@ -1,22 +1,22 @@
-"""The router's ranking of a uniform fleet in one C call (``cluster/routing/csrc/native_rank.c``): the
-prefix walk of `cluster.routing.prefix_index.PrefixIndex.prefix_split` and the ranking of
-`cluster.routing.uniform_rank.rank_uniform`, with the same result, Placement for Placement.
+"""The router's ranking of a uniform fleet (`cluster.routing.fleet_order`) in one C call
+(``cluster/routing/csrc/native_rank.c``): the prefix walk of
+`cluster.routing.prefix_index.PrefixIndex` and a fast path of the one policy,
+`cluster.routing.ranking.rank_groups`, with the same result, Placement for Placement (checked on
+generated fleets: tests/cluster/test_native_rank.py).
 
-    module = load()                        # None where it cannot be built (logged once)
+    module = load()                        # None where it cannot be loaded (logged once)
     state = fleet_state(index, fleet, settings)   # once per fleet; None: rank in Python
-    ranks, order, committed, prefix, base, num_blocks, hashes = module.rank(
+    ranks, order, committed, prefix, base, num_blocks, hashes, first_tokens = module.rank(
         state, block_hashes, num_tokens, block_size)
 
 Why: a routing decision runs between engine steps, with the ingress's caches cold, and there
-each Python function a decision enters costs a fetch of its code and data. With 64 groups the
-two Python functions this replaces were most of a cold decision (``scripts/bench_router.py``,
-README). The Python ones stay: they are what a test checks this against, and what runs where
-this does not (no compiler or no ``Python.h``, fleets of over 64 groups, a fleet bit above
-2**63, a request whose demand the C call refuses, which the Python path then names).
+each Python function a decision enters costs a fetch of its code and data (docs/routing.md has
+the decision times). `rank_groups` runs where this does not: the C extension not loaded, fleets
+of over 64 groups, a fleet bit above 2**63, a request whose demand the C call refuses (which the
+Python path then names).
 
-Built on first use by `kv.native_build.build_shared` as a CPython extension (``-O2``, no
-``-march=native``, and ``-ffp-contract=off``: no fused multiply-add, so scores are Python's
-doubles bit for bit). ``TPSERVE_NATIVE_ROUTER=0`` turns it off.
+Compiled as a CPython extension with ``-ffp-contract=off`` (no fused multiply-add, so scores are
+Python's doubles bit for bit). ``TPSERVE_NATIVE_ROUTER=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def load() -> Optional[ModuleType]:
 
 def fleet_state(index: "PrefixIndex", fleet: "FleetLoads",
                 settings: "RouterSettings") -> Optional[tuple]:
-    """What ``rank`` reads of a fleet ranked by `rank_uniform` (``fleet.kept`` set), holding the
+    """What ``rank`` reads of a uniform fleet (``fleet.kept`` set), holding the
     fleet's own lists (moved in place by charges); None where the C call cannot rank it."""
     kept = fleet.kept
     if (kept is None or index.table is None or len(fleet.loads) > MAX_GROUPS
@@ -86,5 +86,4 @@ def fleet_state(index: "PrefixIndex", fleet: "FleetLoads",
     first = fleet.loads[0]
     return (index.table, fleet.bits, bit_index, kept.order, kept.committed, kept.tie, fleet.ranks,
             first.block_size, first.num_blocks_total, float(settings.target_occupancy),
-            float(settings.prefix_weight), float(settings.load_weight),
-            settings.load_scale == "target")
+            float(settings.prefix_weight), float(settings.load_weight))

@@ -1,92 +1,42 @@
-"""Where a request goes: the pure placement policy behind the KV-aware router.
+"""Where a request goes: the one ranking policy of the KV-aware router.
 
     rank_groups(demand, loads, target_occupancy=0.70, prefix_weight=3, load_weight=2)
         -> [Placement, ...]   best group first
 
-Data in, decision out: no Ray, no clock, no I/O, so the policy is tested on plain inputs and the
-router (`cluster/routing/kv_router.py`) only turns Serve's routing stats into `GroupLoad`s and the ranking
-back into replicas.
-
-The policy, in rank order:
+Data in, decision out: no Ray, no clock, no I/O. The router (`cluster.routing.kv_router`) only
+turns Serve's routing stats into `GroupLoad`s and the ranking back into replicas; its compiled
+fast path (`cluster.routing.native_rank`) is checked against this function on generated fleets.
+The evidence behind each rule is in docs/routing.md.
 
 A request's demand on a group is its blocks (prompt plus expected output) less the leading
 prompt blocks that group has cached (or was lately sent, see ``GroupLoad``): those take no new
 block there. Projected occupancy = (the group's committed blocks + that demand) / its pool.
+``base`` is the fewest leading request blocks any fresh group holds (a system prompt every group
+caches counts for none). The policy, in rank order:
 
-1. Fresh groups whose projected occupancy with the request stays at or under the target, and
-   those holding a history of it (`is_history`: over half of the request's blocks past the base,
-   below) whose pool still holds it (projected occupancy at most 1.0), by the highest score, then
-   the lowest projected occupancy, then group id. The score is a weighted sum of a prefix score
-   and a load score (as llm-d's scorers), each in [0, 1]:
+1. Fresh groups whose projected occupancy stays at or under the target, and those holding the
+   request's history (`is_history`: over half of its blocks past ``base``) while their pool
+   holds the request (projected occupancy at most 1.0): by the highest score, then the lowest
+   projected occupancy, then group id. The score, each term in [0, 1]:
 
        prefix_weight * (cached prefix blocks - base) / (the request's full blocks - base)
-     + load_weight * (1 - projected occupancy / scale)
-     + queue_weight * (1 - pending tokens / the most pending tokens of these groups)
+     + load_weight * (1 - projected occupancy / the highest projected occupancy of these groups)
 
-   ``base`` is the fewest leading request blocks any fresh group holds: the prefix score counts
-   only what tells the groups apart. Once every group has cached a shared system prompt, a
-   conversation's next turn scores its history against the rest of the request, not against
-   a whole that the system prompt pads: on the serving benchmark (README), counting the whole
-   request let the load score take 2 of 3 next turns away from their history (5 and 9 cached
-   blocks given up, the busier group at 0.09 and 0.42 projected occupancy against 0.01-0.02).
-   The load score still places new conversations, whose only cached blocks are the base.
+   With ``load_weight`` 0 this is the strict order: longest cached prefix first, load only
+   breaking ties.
+2. The other fresh groups whose pool still holds the request: the same score, the load measured
+   against the whole pool. A small cached prefix does not pull a request over the target; only
+   a history does.
+3. Fresh groups whose pool does not hold the request: the least projected occupancy first.
+4. Groups whose report is older than ``max_report_age_s``, by the same key as 3: never trusted to
+   show room, but a last resort rather than gone.
 
-   ``scale`` is the highest projected occupancy of these groups (``load_scale="highest"``: the
-   load relative to the busiest) or the occupancy target (``load_scale="target"``: the share of
-   the headroom left, llm-d's absolute KV-usage score within the target). "highest" is the
-   default: on the serving benchmark (README, 200 requests, same run) "target" kept more next
-   turns on their busier group and ended with 31,795 / 51,138 prefill tokens per group against
-   40,911 / 42,022, hit rate 0.832 against 0.844 (the busier group's cache evicts more) and
-   TTFT p99 1,280 against 1,097 ms.
-   Pending tokens are a group's compute backlog as the router knows it: its report's waiting
-   tokens plus the tokens the router sent it since. ``queue_weight`` is 0 by default (README:
-   the serving benchmark's runs with it).
+Groups that tie on every key but the group id are told apart by the router, which sends the
+request to the one it gave the fewest tokens (`tied_with_first`).
 
-   The weights are llm-d's profile (3 and 2): a cached prefix outweighs the load difference
-   only while it is a large part of the request. With ``load_weight`` 0 this is the former
-   strict order, longest cached prefix first and load only breaking ties. On the serving
-   benchmark's KV-pressure workload (README) that order sent 88% and 99.7% of the prefill to one
-   group in two of four runs: the first group to cache a shared system prompt always has the
-   longer prefix, and stays under target while compute, not KV, is short. In the second of those
-   runs its hit rate was 0.496 against the weighted score's 0.552 (one pool held what two
-   could); over three same-run pairs the hit rates were 0.554/0.552, 0.554/0.518, 0.496/0.552
-   and TTFT p99 differed both ways, within this host's noise.
-2. The other fresh groups over the target whose pool still holds the request, by the same
-   score with the load measured against the whole pool (``scale`` 1.0): the load scores differ
-   by at most 2 x 0.3, so a group holding part of the request comes first, otherwise the least
-   loaded. A prefix that is a small part of the request (a system prompt one busy group has
-   cached) does not pull requests over the target: only a history does.
-   Why a history's group over the target ranks with those under it (1.): on the serving
-   benchmark at 3.5 req/s (README, 4 rounds paired with Serve's prefix-affinity router, which
-   keeps a conversation home at any load), kept below the target's line, 28 of 800 decisions
-   sent a next turn from its history's group just over the target to a group under it, giving
-   up 1,260 cached blocks: hit rate 0.819 against 0.869 (paired -0.051 [-0.064, -0.038]). With
-   the history ranked with them: 0.867 against 0.868 (-0.001 [-0.013, +0.012]), 163 blocks
-   given up, TTFT p99 0.94x.
-   (Before the cached prefix was subtracted from the demand, every group was charged the whole
-   request, so the group holding a conversation looked as full as the others once both neared
-   the target: on the serving benchmark's multi-turn workload, ``--min-turns 3 --seed 1``, 17 of
-   80 decisions were "least loaded", each a coin toss for the history; hit rate 0.633 against
-   Serve's prefix-affinity router's 0.812, TTFT p99 3.5 s against 2.0 s.)
-3. Fresh groups whose pool does not hold the request (projected occupancy over 1.0), by the
-   lowest projected occupancy, then group id: the least-loaded one takes the request (the
-   engine queues or preempts there).
-4. Groups whose report is stale (older than ``max_report_age_s``), by the same key as 3. A report
-   that stopped arriving means the replica or its stats path is stuck, so its numbers are never
-   trusted to show room; such a group stays a last resort rather than vanishing (Serve's own
-   queue-length check still guards it).
-
-Groups that tie on every key but the group id (idle groups with equal reports, asked to place a
-new conversation) are told apart by the router, not here: it sends the request to the one of
-them it gave the fewest tokens so far (`tied_with_first`, `cluster.routing.kv_router`). By group id
-alone, every new conversation that came while the groups were idle went to the first group: on
-the serving benchmark (README) 13 of 13 such decisions in two runs, 6-7 of about 38 new
-conversations a run, one group's pool holding more histories than the other's.
-
-Cost: O(G log G) for G groups, plus one set lookup per leading cached block, for fresh groups
-only (a group that lacks the request's first block costs one lookup); given the groups' prefix
-lengths (the router's `cluster.routing.prefix_index.PrefixIndex`), one dict lookup per group instead.
-The scores add one pass over the groups of 1 and one over those of 2.
+Cost: O(G log G) for G groups; given the groups' prefix lengths (the router's
+`cluster.routing.prefix_index.PrefixIndex`) one dict lookup per group, else one set lookup per
+leading cached block of each fresh group.
 """
 
 from __future__ import annotations
@@ -103,11 +53,6 @@ DEFAULT_TARGET_OCCUPANCY = 0.70
 DEFAULT_MAX_REPORT_AGE_S = 5.0
 DEFAULT_PREFIX_WEIGHT = 3.0
 DEFAULT_LOAD_WEIGHT = 2.0  # with prefix 3.0, llm-d's profile; 0.0: the strict prefix order
-DEFAULT_QUEUE_WEIGHT = 0.0  # the pending-tokens score (llm-d's queue scorer); 0.0: off
-# What a group's projected occupancy is divided by in the load score: "highest" (the highest of
-# the under-target groups: relative load) or "target" (the occupancy target: headroom).
-LOAD_SCALES = ("highest", "target")
-DEFAULT_LOAD_SCALE = "highest"
 FULL_OCCUPANCY = 1.0  # a pool with all its blocks committed: past it the request does not fit
 
 
@@ -274,6 +219,25 @@ def tied_with_first(placements: Sequence[Placement]) -> int:
     return count
 
 
+def check_policy(target_occupancy: float, max_report_age_s: float, prefix_weight: float,
+                 load_weight: float) -> None:
+    """Raises ValueError naming the first setting of the policy out of its range."""
+    if not 0.0 < target_occupancy <= 1.0:
+        raise ValueError(f"target_occupancy must be in (0, 1], got {target_occupancy}")
+    if max_report_age_s <= 0:
+        raise ValueError(f"max_report_age_s must be positive, got {max_report_age_s}")
+    if not (prefix_weight >= 0 and load_weight >= 0):
+        raise ValueError(f"prefix_weight and load_weight must not be negative, got "
+                         f"{prefix_weight} and {load_weight}")
+
+
+def reason_of(tier: int, occupancy: float, target_occupancy: float,
+              prefix: Optional[int]) -> PlacementReason:
+    """The reason a group ranked in ``tier`` (0-3, the policy's items 1-4) gives: a history's
+    group over the target ranks with those under it but says where it is."""
+    return _REASONS[tier or occupancy > target_occupancy][bool(prefix)]
+
+
 def rank_groups(
     demand: RequestDemand,
     loads: Sequence[GroupLoad],
@@ -282,8 +246,6 @@ def rank_groups(
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
     load_weight: float = DEFAULT_LOAD_WEIGHT,
     cached_prefix: Optional[Mapping[str, int]] = None,
-    queue_weight: float = DEFAULT_QUEUE_WEIGHT,
-    load_scale: str = DEFAULT_LOAD_SCALE,
 ) -> List[Placement]:
     """Every group in ``loads``, best first, by the policy in this module's docstring.
 
@@ -293,56 +255,65 @@ def rank_groups(
     `cluster.routing.prefix_index.PrefixIndex.prefix_blocks` finds them in one walk for all groups
     (groups left out hold none); None: each group's ``cached_block_hashes`` are scanned.
     """
-    if not 0.0 < target_occupancy <= 1.0:
-        raise ValueError(f"target_occupancy must be in (0, 1], got {target_occupancy}")
-    if max_report_age_s <= 0:
-        raise ValueError(f"max_report_age_s must be positive, got {max_report_age_s}")
-    if not (prefix_weight >= 0 and load_weight >= 0 and queue_weight >= 0):
-        raise ValueError(f"prefix_weight, load_weight and queue_weight must not be negative, got "
-                         f"{prefix_weight}, {load_weight} and {queue_weight}")
-    if load_scale not in LOAD_SCALES:
-        raise ValueError(f"load_scale must be one of {', '.join(LOAD_SCALES)}, got {load_scale!r}")
+    check_policy(target_occupancy, max_report_age_s, prefix_weight, load_weight)
+    entries, request_blocks = _entries(demand, loads, max_report_age_s, cached_prefix)
+    # The prefix score counts what tells the groups apart: the blocks past the fewest any fresh
+    # group holds.
+    base = min((entry[4] for entry in entries if entry[0] < 3), default=0)
+    under, over = _tiers(entries, request_blocks, base, target_occupancy)
+    num_blocks_past_base = len(demand.block_hashes) - base
+    _score(under, num_blocks_past_base, prefix_weight, load_weight, None)
+    _score(over, num_blocks_past_base, prefix_weight, load_weight, FULL_OCCUPANCY)
+    # Stable sorts from the last key to the first: each sorts on one plain str, float or int,
+    # which CPython compares several times faster than whole lists.
+    for key in _SORT_KEYS:
+        entries.sort(key=key)
+    # tuple.__new__ (what namedtuple's _make uses) builds a Placement for a third of the cost of
+    # its constructor, and this runs per group.
+    new = tuple.__new__
+    return [new(Placement, (group_id, _REASONS[tier or occupancy > target_occupancy][bool(prefix)],
+                            occupancy, prefix))
+            for tier, _, occupancy, group_id, prefix in entries]
+
+
+def _entries(demand: RequestDemand, loads: Sequence[GroupLoad], max_report_age_s: float,
+             cached_prefix: Optional[Mapping[str, int]]) -> Tuple[List[list], List[int]]:
+    """Per group ``[tier, -score, projected occupancy, group id, cached prefix blocks]`` (tier 0
+    for every fresh group until `_tiers` places it, 3 for a stale one, whose prefix is None), and
+    per group the request's blocks at its block size."""
     num_tokens = demand.num_tokens
     hashes, demand_bs = demand.block_hashes, demand.block_size
-    num_hashes = len(hashes)
     first_hash = hashes[0] if hashes else None
-    # [tier, -score, projected occupancy, group id, cached prefix blocks, pending tokens (0
-    # without a queue weight)]; tier 0: fresh and under target, 1: fresh, over target, in the
-    # pool, 2: fresh and over the pool, 3: stale. Scores are set once the under-target groups'
-    # highest occupancy is known.
     entries: List[list] = []
-    under: List[list] = []
-    over: List[list] = []
-    request_blocks: List[int] = []  # per entry: the request's blocks at its group's block size
+    request_blocks: List[int] = []
     for load in loads:
         # GroupLoad.projected_occupancy, inlined: this loop is the router's per-request cost.
         num_blocks = -(-num_tokens // load.block_size)
+        request_blocks.append(num_blocks)
         if load.report_age_s > max_report_age_s:
             occupancy = (load._num_blocks_committed + num_blocks) / load.num_blocks_total
-            entries.append([3, 0.0, occupancy, load.group_id, None, 0])
-            request_blocks.append(num_blocks)
+            entries.append([3, 0.0, occupancy, load.group_id, None])
             continue
-        # GroupLoad.num_cached_prefix_blocks, inlined; a group that lacks the first block costs
-        # one lookup.
         prefix = 0
         if first_hash is not None and load.block_size == demand_bs:
             if cached_prefix is not None:
                 prefix = cached_prefix.get(load.group_id, 0)
-            elif first_hash in load.cached_block_hashes:
-                miss = next(filterfalse(load.cached_block_hashes.__contains__, hashes), None)
-                prefix = num_hashes if miss is None else hashes.index(miss)
-            if prefix > num_blocks:
-                prefix = num_blocks
+            elif first_hash in load.cached_block_hashes:  # a group lacking it costs one lookup
+                prefix = load.num_cached_prefix_blocks(demand)
+            prefix = min(prefix, num_blocks)
         occupancy = (load._num_blocks_committed + num_blocks - prefix) / load.num_blocks_total
-        pending = (load.num_waiting_tokens + load.num_tokens_sent_since_report
-                   if queue_weight else 0)
-        entries.append([0, 0.0, occupancy, load.group_id, prefix, pending])
-        request_blocks.append(num_blocks)
+        entries.append([0, 0.0, occupancy, load.group_id, prefix])
     if len({entry[3] for entry in entries}) != len(entries):
         raise ValueError("rank_groups: loads must have distinct group ids")
-    # The prefix score counts what tells the groups apart: the blocks past the fewest any fresh
-    # group holds (a shared system prompt every group has cached counts for none).
-    base = min((entry[4] for entry in entries if entry[0] < 3), default=0)
+    return entries, request_blocks
+
+
+def _tiers(entries: List[list], request_blocks: List[int], base: int,
+           target_occupancy: float) -> Tuple[List[list], List[list]]:
+    """Sets each fresh entry's tier (0: under the target or a history in its pool, 1: over the
+    target in the pool, 2: over the pool) and returns the entries of tiers 0 and 1."""
+    under: List[list] = []
+    over: List[list] = []
     for entry, num_blocks in zip(entries, request_blocks):
         if entry[0] == 3:
             continue
@@ -355,26 +326,11 @@ def rank_groups(
             over.append(entry)
         else:
             entry[0] = 2
-    _score(under, num_hashes - base, prefix_weight, load_weight, queue_weight,
-           target_occupancy if load_scale == "target" else None)
-    _score(over, num_hashes - base, prefix_weight, load_weight, queue_weight, FULL_OCCUPANCY)
-    # Stable sorts from the last key to the first: each sorts on one plain str, float or int,
-    # which CPython compares several times faster than whole lists.
-    for key in _SORT_KEYS:
-        entries.sort(key=key)
-    # Placement's own constructor is a Python-level call; tuple.__new__ (what namedtuple's
-    # _make uses) builds the same object for a third of the cost, and this runs per group.
-    new = tuple.__new__
-    # A history's group over the target ranks with those under it but says where it is.
-    return [
-        new(Placement, (group_id, _REASONS[tier or occupancy > target_occupancy][bool(prefix)],
-                        occupancy, prefix))
-        for tier, _, occupancy, group_id, prefix, _ in entries
-    ]
+    return under, over
 
 
 def _score(tier: List[list], num_blocks: int, prefix_weight: float, load_weight: float,
-           queue_weight: float, scale: Optional[float]) -> None:
+           scale: Optional[float]) -> None:
     """Sets the -score of each entry of one scored tier (see the module doc); ``num_blocks``:
     the request's full blocks past the fewest any fresh group holds; ``scale``: what occupancy
     is divided by (None: the highest of ``tier``)."""
@@ -383,11 +339,8 @@ def _score(tier: List[list], num_blocks: int, prefix_weight: float, load_weight:
     per_block = prefix_weight / num_blocks if num_blocks else 0.0
     highest = max(entry[2] for entry in tier) if scale is None else scale
     per_occupancy = load_weight / highest if highest > 0 else 0.0
-    longest = max(entry[5] for entry in tier) if queue_weight else 0
-    per_pending = queue_weight / longest if longest > 0 else 0.0
     for entry in tier:
-        entry[1] = (per_occupancy * entry[2] + per_pending * entry[5] - per_block * entry[4]
-                    - load_weight - queue_weight)
+        entry[1] = per_occupancy * entry[2] - per_block * entry[4] - load_weight
 
 
 _SORT_KEYS = (itemgetter(3), itemgetter(2), itemgetter(1), itemgetter(0))

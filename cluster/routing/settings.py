@@ -7,13 +7,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from cluster.routing.ranking import (
-    DEFAULT_LOAD_SCALE,
     DEFAULT_LOAD_WEIGHT,
     DEFAULT_MAX_REPORT_AGE_S,
     DEFAULT_PREFIX_WEIGHT,
-    DEFAULT_QUEUE_WEIGHT,
     DEFAULT_TARGET_OCCUPANCY,
-    LOAD_SCALES,
 )
 
 
@@ -25,12 +22,11 @@ class RouterSettings:
     target_occupancy: float = DEFAULT_TARGET_OCCUPANCY
     max_report_age_s: float = DEFAULT_MAX_REPORT_AGE_S
     charge_ttl_s: float = 2 * DEFAULT_MAX_REPORT_AGE_S
+    # The router's block size (the engine's, set by `cluster.app`); None: the groups' reported one.
     block_size: Optional[int] = None
     num_decision_times: int = 4096
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT
     load_weight: float = DEFAULT_LOAD_WEIGHT
-    queue_weight: float = DEFAULT_QUEUE_WEIGHT
-    load_scale: str = DEFAULT_LOAD_SCALE
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target_occupancy <= 1.0:
@@ -46,10 +42,6 @@ class RouterSettings:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_decision_times < 1:
             raise ValueError(f"num_decision_times must be >= 1, got {self.num_decision_times}")
-        if not (self.prefix_weight >= 0 and self.load_weight >= 0 and self.queue_weight >= 0):
-            raise ValueError(f"prefix_weight, load_weight and queue_weight must not be negative, "
-                             f"got {self.prefix_weight}, {self.load_weight} and "
-                             f"{self.queue_weight}")
-        if self.load_scale not in LOAD_SCALES:
-            raise ValueError(f"load_scale must be one of {', '.join(LOAD_SCALES)}, "
-                             f"got {self.load_scale!r}")
+        if not (self.prefix_weight >= 0 and self.load_weight >= 0):
+            raise ValueError(f"prefix_weight and load_weight must not be negative, got "
+                             f"{self.prefix_weight} and {self.load_weight}")

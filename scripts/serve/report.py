@@ -9,8 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from scripts.serve.replay import RunResult
 
-ROUTER_LABELS = {"kv": "kv-aware", "kv_strict": "kv strict order", "kv_queue": "kv + queue",
-                 "kv_headroom": "kv headroom", "pow2": "pow2 (default)",
+ROUTER_LABELS = {"kv": "kv-aware", "pow2": "pow2 (default)",
                  "prefix_affinity": "prefix affinity", "round_robin": "round robin"}
 TTFT_P99_TARGET_RATIO = 0.8  # TTFT p99 at least 20% below power of two
 
@@ -222,9 +221,9 @@ def print_router_lines(meta: Dict[str, Any], checks: Dict[str, Optional[bool]]) 
           f"away from a longer cached prefix {r.get('router_prefix_given_up', {})}")
     print(f"rank_groups and the prefix-index walk alone (this process, hot): p50 "
           f"{r['rank_groups_us_p50_2_groups']} us with 2 "
-          f"groups, {r['rank_groups_us_p50_64_groups']} us with 64 (the router ranks fleets of "
-          f"24+ uniform groups with rank_uniform instead; the 50 us target is for live "
-          f"decisions; scripts/bench_router.py times whole decisions, cold too)")
+          f"groups, {r['rank_groups_us_p50_64_groups']} us with 64 (the router ranks uniform "
+          f"fleets by its C call where it is loaded; the 50 us target is for live decisions; "
+          f"scripts/bench_router.py times whole decisions, cold too)")
     if checks:
         print("targets (kv-aware vs pow2: TTFT p99 <= 0.8x, throughput >=, hit rate >, fewer "
               "preemptions; vs prefix affinity: no worse): "

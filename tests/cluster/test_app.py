@@ -18,8 +18,10 @@ def test_serve_config_router_choice():
     kv = router_config(ServeConfig(engine=engine, kv_target_occupancy=0.6))
     # every setting spelled out by kv_aware_router_config, the same as the router's defaults
     assert kv.request_router_kwargs == kv_aware_router_config(
-        target_occupancy=0.6).request_router_kwargs
-    assert RouterSettings(**kv.request_router_kwargs) == RouterSettings(target_occupancy=0.6)
+        target_occupancy=0.6, block_size=engine.block_size).request_router_kwargs
+    # the router counts a request's blocks at the engine's block size, as the ingress hashes them
+    assert RouterSettings(**kv.request_router_kwargs) == RouterSettings(
+        target_occupancy=0.6, block_size=engine.block_size)
     assert KVAwareRouter.__name__ in str(kv.request_router_class)
     pow2 = router_config(ServeConfig(engine=engine, router="pow2"))
     assert "PowerOfTwoChoices" in str(pow2.request_router_class)
@@ -27,14 +29,7 @@ def test_serve_config_router_choice():
     assert "TokenPrefixAffinityRouter" in str(prefix.request_router_class)
     round_robin = router_config(ServeConfig(engine=engine, router="round_robin"))
     assert "RoundRobinRouter" in str(round_robin.request_router_class)
-    strict = router_config(ServeConfig(engine=engine, router="kv_strict"))
-    assert settings(strict) == RouterSettings(load_weight=0.0)
-    queue = router_config(ServeConfig(engine=engine, router="kv_queue"))
-    assert settings(queue) == RouterSettings(queue_weight=2.0)
-    headroom = router_config(ServeConfig(engine=engine, router="kv_headroom"))
-    assert settings(headroom) == RouterSettings(load_scale="target")
-    with pytest.raises(ValueError,
-                       match="router must be one of kv, kv_strict, kv_queue, kv_headroom, pow2"):
+    with pytest.raises(ValueError, match="router must be one of kv, pow2, prefix_affinity"):
         ServeConfig(engine=engine, router="random")
 
 

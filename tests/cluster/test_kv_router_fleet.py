@@ -15,7 +15,7 @@ from ray.serve._private.common import DeploymentHandleSource, ReplicaID  # noqa:
 from cluster.routing import kv_router, native_rank  # noqa: E402
 from cluster.routing.kv_router import KVAwareRouter  # noqa: E402
 from cluster.routing.ranking import PlacementReason, RequestDemand, rank_groups  # noqa: E402
-from cluster.routing.uniform_rank import UniformRanking  # noqa: E402
+from cluster.routing.fleet_order import UniformRanking  # noqa: E402
 from kv.prefix_hash import extend_block_hashes  # noqa: E402
 from test_kv_router_ray import DEPLOYMENT, StandInReplica, request, stats  # noqa: E402
 
@@ -111,15 +111,14 @@ def test_reports_that_stop_arriving_turn_stale_without_a_replica_update(serve, m
 def _ranked_by_rank_groups(router: KVAwareRouter, pending) -> List[str]:
     loads = list(router.group_loads().values())
     demand = RequestDemand(pending.kwargs["num_tokens"], tuple(pending.kwargs["block_hashes"]),
-                           pending.kwargs["block_size"])
+                           16)  # the groups' block size: the router's own without a setting
     return [p.group_id for p in rank_groups(demand, loads, 0.70, 5.0)]
 
 
 @pytest.mark.parametrize("num_groups", [3, 30])
 def test_a_uniform_fleet_is_ranked_as_rank_groups_ranks_it(ranking, serve, num_groups):
-    # 3 groups (ranked by rank_groups in Python, by the C call where it runs) or 30 (by the
-    # uniform ranking either way), all holding a 4-block system prompt; conversations' turns
-    # follow, charged and accepted as Serve would.
+    # 3 or 30 groups (ranked by the C call where it runs, else by rank_groups), all holding a
+    # 4-block system prompt; conversations' turns follow, charged and accepted as Serve would.
     system = list(range(1, 4 * 16 + 1))
     turns = [extend_block_hashes([], system + [1000 * c + t for t in range(16 * 6)], 16)
              for c in range(5)]
@@ -128,12 +127,12 @@ def test_a_uniform_fleet_is_ranked_as_rank_groups_ranks_it(ranking, serve, num_g
                 for k in range(num_groups)]
     serve.update(replicas)
     assert (serve.router._fleet_cache.native is not None) == (ranking == "c")
-    uniform = ranking == "c" or num_groups >= 24
+    uniform = ranking == "c"
     rng = random.Random(0)
     decided = []
     for i in range(40):
         conv = turns[rng.randrange(len(turns))]
-        pending = request(f"r{i}", num_tokens=rng.randrange(16, 200), block_size=16,
+        pending = request(f"r{i}", num_tokens=rng.randrange(16, 200),
                           block_hashes=conv[:rng.randrange(4, len(conv) + 1)])
         expected = _ranked_by_rank_groups(serve.router, pending)
         assert serve.choose(pending) == expected
@@ -149,7 +148,7 @@ def test_a_uniform_fleet_is_ranked_as_rank_groups_ranks_it(ranking, serve, num_g
 
 
 @pytest.mark.parametrize("bad", [{"num_tokens": -5}, {"num_tokens": "12"},
-                                 {"num_tokens": 12, "block_size": "16"}])
+                                 {"num_tokens": 12.5}])
 def test_a_bad_demand_on_a_large_fleet_falls_back_as_on_a_small_one(ranking, serve, bad):
     serve.update([ServeStandIn(f"g{k:02d}", stats(1, k)) for k in range(30)])
     pending = request("r", block_hashes=[1, 2], **bad)
@@ -165,7 +164,7 @@ def test_a_stale_report_sends_the_fleet_back_to_rank_groups(serve, monkeypatch):
     serve.update([old])
     clock[0] += 6.0  # past max_report_age_s: its report stopped arriving
     serve.update([old] + [ServeStandIn(f"g{k:02d}", stats(1, k)) for k in range(29)])
-    pending = request("r", num_tokens=32, block_size=16, block_hashes=[])
+    pending = request("r", num_tokens=32, block_hashes=[])
     expected = _ranked_by_rank_groups(serve.router, pending)
     assert serve.choose(pending) == expected and expected[-1] == "old"
     assert isinstance(serve.router._pending["r"].placements, list)
@@ -210,16 +209,16 @@ def test_a_decision_away_from_the_longest_cached_prefix_is_counted_with_its_bloc
     hashes = extend_block_hashes([], system, 16)
     serve.update([ServeStandIn("g00", stats(1, 99, cached_block_hashes=hashes[:6]))]
                  + [ServeStandIn(f"g{k:02d}", stats(1, 0)) for k in range(1, num_groups)])
-    pending = request("away", num_tokens=8 * 16, block_size=16, block_hashes=hashes)
+    pending = request("away", num_tokens=8 * 16, block_hashes=hashes)
     taker = serve.choose(pending)[0]
     assert taker != "g00"
     serve.router.on_request_routed(pending, ReplicaID(taker, DEPLOYMENT), None)
-    again = request("again", num_tokens=8 * 16, block_size=16, block_hashes=hashes)
+    again = request("again", num_tokens=8 * 16, block_hashes=hashes)
     serve.choose(again)
     serve.router.on_request_routed(again, ReplicaID(taker, DEPLOYMENT), None)
     away = "under_target_from_least_loaded"  # g00 (99 + 2 of 100) is past the target
     assert serve.router.prefix_given_up() == {"decisions": {away: 1}, "blocks": {away: 6}}
-    back = request("back", num_tokens=8 * 16, block_size=16, block_hashes=hashes)
+    back = request("back", num_tokens=8 * 16, block_hashes=hashes)
     serve.choose(back)
     serve.router.on_request_routed(back, ReplicaID("g00", DEPLOYMENT), None)
     assert serve.router.prefix_given_up()["blocks"]["least_loaded_from_under_target_prefix"] == 2

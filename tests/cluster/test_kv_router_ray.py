@@ -122,11 +122,10 @@ def test_a_follow_up_goes_where_its_history_was_sent_before_any_report_shows_it(
     reported = {"cached_block_hashes": list(system)}
     a = StandInReplica("a", stats(1, 10, **reported))
     b = StandInReplica("b", stats(1, 10, **reported))
-    turn1 = request("t1", num_tokens=9 * 16, block_hashes=list(system + history[:3]),
-                    block_size=16)
+    turn1 = request("t1", num_tokens=9 * 16, block_hashes=list(system + history[:3]))
     first = choose(router, [a, b], turn1)[0][0]
     router.on_request_routed(turn1, ReplicaID(first, DEPLOYMENT), None)
-    turn2 = request("t2", num_tokens=10 * 16, block_hashes=list(system + history), block_size=16)
+    turn2 = request("t2", num_tokens=10 * 16, block_hashes=list(system + history))
     assert choose(router, [a, b], turn2)[0][0] == first
     assert router.group_loads()[first].num_cached_prefix_blocks(
         RequestDemand(160, system + history, 16)) == 5
@@ -261,13 +260,6 @@ def test_report_and_config_validation():
     assert kv_aware_router_config(load_weight=0.0).request_router_kwargs["load_weight"] == 0.0
     with pytest.raises(ValueError, match="must not be negative"):
         kv_aware_router_config(prefix_weight=-1.0)
-    assert kv_aware_router_config(queue_weight=2.0).request_router_kwargs["queue_weight"] == 2.0
-    with pytest.raises(ValueError, match="queue_weight must not be negative"):
-        kv_aware_router_config(queue_weight=-1.0)
-    assert kv_aware_router_config(load_scale="target").request_router_kwargs["load_scale"] == (
-        "target")
-    with pytest.raises(ValueError, match="load_scale must be one of highest, target"):
-        kv_aware_router_config(load_scale="busiest")
 
 
 _LOAD_COPY = """
@@ -327,7 +319,7 @@ class StandInGroup:
         self.accepted: List[str] = []
         self.seq = 0
 
-    def generate(self, payload: str, num_tokens: int, block_hashes=(), block_size=None) -> dict:
+    def generate(self, payload: str, num_tokens: int, block_hashes=()) -> dict:
         self.num_blocks_used += math.ceil(num_tokens / BLOCK_SIZE)
         self.accepted.append(serve_routing_id())
         return {"rank": self.rank, "replica_id": self.replica_id}

@@ -1,12 +1,13 @@
-"""The router's C ranking of a uniform fleet (`cluster.routing.native_rank`) equals the Python it
-replaces, `PrefixIndex.prefix_split` then `rank_uniform`, on fleets built as the router builds
-them (real trackers, a real prefix index, charges moving the kept order); and where it cannot
-rank (no compiler, too many groups, a bad demand) the router ranks in Python as before."""
+"""The router's C ranking of a uniform fleet (`cluster.routing.native_rank`) equals the one
+policy, `cluster.routing.ranking.rank_groups`, on fleets built as the router builds them (real
+trackers, a real prefix index, charges moving the kept order); and where it cannot rank (not
+loaded, too many groups, a bad demand) the router ranks with `rank_groups`."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -14,10 +15,10 @@ from hypothesis import strategies as st
 
 from cluster.routing import native_rank
 from cluster.routing.load_report import FleetLoads, ReplicaLoadTracker
-from cluster.routing.ranking import RequestDemand
+from cluster.routing.fleet_order import UniformRanking
+from cluster.routing.ranking import RequestDemand, rank_groups
 from cluster.routing.prefix_index import PrefixIndex
 from cluster.routing.settings import RouterSettings
-from cluster.routing.uniform_rank import UniformRanking, rank_uniform
 from kv.prefix_hash import extend_block_hashes
 
 BS = 8
@@ -60,7 +61,7 @@ def build_fleet(groups, index: PrefixIndex, extra_groups: int = 0):
             trackers[name] = ReplicaLoadTracker(name, 60.0, index)
         return trackers[name]
 
-    fleet = FleetLoads(replicas, tracker_of, time.time(), 5.0, uniform_from=1)
+    fleet = FleetLoads(replicas, tracker_of, time.time(), 5.0, keep_order=True)
     for k, (*_, sent) in enumerate(groups):  # charges after the report move the kept order
         if sent:
             tracker = trackers[replicas[k].replica_id.unique_id]
@@ -69,12 +70,22 @@ def build_fleet(groups, index: PrefixIndex, extra_groups: int = 0):
     return fleet
 
 
+def charged_loads(fleet):
+    """The fleet's loads with the committed blocks its kept order holds (a kept fleet's loads
+    stay as the reports left them; the charges since live in ``fleet.kept``)."""
+    loads = []
+    for load, committed in zip(fleet.loads, fleet.kept.committed):
+        load = replace(load)
+        object.__setattr__(load, "_num_blocks_committed", committed)
+        loads.append(load)
+    return loads
+
+
 def python_rank(index, fleet, hashes, num_tokens, block_size, router_settings):
-    base, longer = index.prefix_split(hashes, fleet.bits, fleet.index_of_bit)
     demand = RequestDemand(num_tokens, tuple(hashes), block_size)
-    return rank_uniform(demand, fleet.loads, fleet.kept, base, longer,
-                        router_settings.target_occupancy, router_settings.prefix_weight,
-                        router_settings.load_weight, router_settings.load_scale)
+    return rank_groups(demand, charged_loads(fleet), router_settings.target_occupancy,
+                       router_settings.max_report_age_s, router_settings.prefix_weight,
+                       router_settings.load_weight, index.prefix_blocks(tuple(hashes)))
 
 
 @st.composite
@@ -102,13 +113,11 @@ def cases(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(cases(), st.floats(0.05, 1.0), st.sampled_from([0.0, 3.0]), st.sampled_from([0.0, 2.0]),
-       st.sampled_from(["highest", "target"]))
-def test_the_c_ranking_equals_prefix_split_then_rank_uniform(module, case, target, prefix_weight,
-                                                             load_weight, scale):
+@given(cases(), st.floats(0.05, 1.0), st.sampled_from([0.0, 3.0]), st.sampled_from([0.0, 2.0]))
+def test_the_c_ranking_equals_rank_groups(module, case, target, prefix_weight, load_weight):
     groups, hashes, num_tokens, block_size, extra = case
     router_settings = RouterSettings(target_occupancy=target, prefix_weight=prefix_weight,
-                                     load_weight=load_weight, load_scale=scale)
+                                     load_weight=load_weight)
     index = PrefixIndex(module)
     fleet = build_fleet(groups, index, extra)
     state = native_rank.fleet_state(index, fleet, router_settings)
@@ -116,19 +125,19 @@ def test_the_c_ranking_equals_prefix_split_then_rank_uniform(module, case, targe
     ranks, order, committed, prefix, base, num_blocks, got_hashes, first_tokens = module.rank(
         state, hashes, num_tokens, block_size)
     expected = python_rank(index, fleet, hashes, num_tokens, block_size, router_settings)
-    assert order == expected.order
-    assert ranks == [fleet.ranks[i] for i in expected.order]
+    assert order == [fleet.position[placement.group_id] for placement in expected]
+    assert ranks == [fleet.ranks[i] for i in order]
     assert got_hashes == tuple(hashes)
     got = UniformRanking(order, fleet.loads, committed, prefix, base, num_blocks, target)
-    assert list(got) == list(expected)  # Placement for Placement: reasons, occupancies, prefix
+    assert list(got) == expected  # Placement for Placement: reasons, occupancies, prefix
     assert committed == fleet.kept.committed and committed is not fleet.kept.committed
     if order:  # the router's charge for the first choice, as _PendingDecision.tokens_on has it
-        cached = expected.cached_blocks_of(fleet.loads[order[0]].group_id)
+        cached = expected[0].cached_prefix_blocks
         assert first_tokens == max(0, num_tokens - cached * block_size)
 
 
 def test_a_next_turn_stays_with_its_history_when_every_group_holds_the_system_prompt(module):
-    # test_placement_score's case of the same name, through the C call: the prefix score counts
+    # test_ranking_score's case of the same name, through the C call: the prefix score counts
     # the blocks past the base (8 here, the system prompt), so "home" (17 blocks, busy) ranks
     # before the idle group holding the system prompt only.
     system = list(range(8 * BS))
@@ -139,7 +148,7 @@ def test_a_next_turn_stays_with_its_history_when_every_group_holds_the_system_pr
     _, order, _, prefix, base, *_ = module.rank(state, turn, 17 * BS + 8, BS)
     assert (order, prefix, base) == ([0, 1], {0: 17}, 8)
     expected = python_rank(index, fleet, turn, 17 * BS + 8, BS, RouterSettings())
-    assert order == expected.order
+    assert [fleet.loads[i].group_id for i in order] == [p.group_id for p in expected]
 
 
 def test_a_fleet_over_64_groups_or_bits_is_left_to_python(module):

@@ -1,6 +1,6 @@
-/* The KV-aware router's ranking of a uniform fleet in one C call: cluster/routing/native_rank.py loads it,
- * cluster/routing/uniform_rank.py's rank_uniform (fed by cluster/routing/prefix_index.py's prefix_split) is the
- * Python it equals, decision for decision (tests/cluster/test_native_rank.py).
+/* The KV-aware router's ranking of a uniform fleet in one C call: cluster/routing/native_rank.py
+ * loads it. It is a fast path of the one policy, cluster/routing/ranking.py's rank_groups, and
+ * equals it decision for decision on generated fleets (tests/cluster/test_native_rank.py).
  *
  *   rank(state, hashes, num_tokens, block_size)
  *     -> (ranks, order, committed, prefix, base, num_blocks, hashes, first_tokens)
@@ -17,13 +17,12 @@
  *   committed  list   each group's committed blocks
  *   tie        list   each group's place by group id
  *   ranks      list   [replica] per group: what Serve takes
- *   group_block_size, total (ints), target, prefix_weight, load_weight (floats),
- *   scale_target (bool: the load score's scale is the target, else the highest occupancy)
+ *   group_block_size, total (ints), target, prefix_weight, load_weight (floats)
  *
  * Scores are the Python expressions in the same order of operations; compiled without
  * floating-point contraction (no FMA), so the doubles are bit for bit Python's.
  * Why C: a decision runs between engine steps with cold caches, where each Python function a
- * decision enters costs a fetch of its code and data (README, scripts/bench_router.py). */
+ * decision enters costs a fetch of its code and data (docs/routing.md). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -31,7 +30,7 @@
 #include "prefix_table.h"
 
 #define MAX_GROUPS 64
-#define STATE_FIELDS 13
+#define STATE_FIELDS 12
 #define WALK_CHUNK 16
 #define FULL_OCCUPANCY 1.0 /* cluster.routing.ranking.FULL_OCCUPANCY */
 
@@ -47,7 +46,6 @@ typedef struct {
     uint64_t among;
     long group_block_size, total;
     double target, prefix_weight, load_weight;
-    int scale_target;
 } State;
 
 static int key_less(const Key *a, const Key *b) {
@@ -83,7 +81,6 @@ static int read_state(PyObject *tuple, State *s) {
     s->target = PyFloat_AsDouble(PyTuple_GET_ITEM(tuple, 9));
     s->prefix_weight = PyFloat_AsDouble(PyTuple_GET_ITEM(tuple, 10));
     s->load_weight = PyFloat_AsDouble(PyTuple_GET_ITEM(tuple, 11));
-    s->scale_target = PyObject_IsTrue(PyTuple_GET_ITEM(tuple, 12));
     if (PyErr_Occurred()) return -1;
     if (!PyList_Check(s->bit_index) || !PyList_Check(s->order) ||
         !PyList_Check(s->committed) || !PyList_Check(s->tie) || !PyList_Check(s->ranks) ||
@@ -199,7 +196,7 @@ static Key key_of(const State *s, long i, long held, long num_blocks, double per
     return key;
 }
 
-/* rank_uniform's merge: the base-prefix groups (rest, n of them) in kept order, each longer-
+/* The merge: the base-prefix groups (rest, n of them) in kept order, each longer-
  * prefix group (pidx/pheld, np of them) inserted where its key falls; into out. */
 static void merge(const State *s, const long *rest, long n, const long *pidx, const long *pheld,
                   int np, long base, long num_blocks, long num_hashes, long *out) {
@@ -212,15 +209,11 @@ static void merge(const State *s, const long *rest, long n, const long *pidx, co
         if (occupancy_of(s, rest[mid], num_blocks, base) <= s->target) lo = mid + 1;
         else hi = mid;
     }
-    if (s->scale_target) {
-        highest = s->target;
-    } else {
-        highest = lo ? occupancy_of(s, rest[lo - 1], num_blocks, base) : 0.0;
-        for (int j = 0; j < np; j++) {
-            double occupancy = occupancy_of(s, pidx[j], num_blocks, pheld[j]);
-            double ceiling = is_history(pheld[j], base, num_blocks) ? FULL_OCCUPANCY : s->target;
-            if (highest < occupancy && occupancy <= ceiling) highest = occupancy;
-        }
+    highest = lo ? occupancy_of(s, rest[lo - 1], num_blocks, base) : 0.0;
+    for (int j = 0; j < np; j++) {
+        double occupancy = occupancy_of(s, pidx[j], num_blocks, pheld[j]);
+        double ceiling = is_history(pheld[j], base, num_blocks) ? FULL_OCCUPANCY : s->target;
+        if (highest < occupancy && occupancy <= ceiling) highest = occupancy;
     }
     per_block = num_hashes > base ? s->prefix_weight / (double)(num_hashes - base) : 0.0;
     per_occupancy = highest > 0 ? s->load_weight / highest : 0.0;

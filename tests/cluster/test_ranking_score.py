@@ -1,6 +1,6 @@
 """The weighted score that orders the groups under target: prefix against load (relative to the
-busiest group, or as headroom under the target), the queue score, and their settings refused by
-name. The helpers and the policy's other rules are in test_placement.py."""
+busiest group), and its settings refused by name. The helpers and the policy's other rules are
+in test_ranking.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from cluster.routing.ranking import rank_groups
 from kv.prefix_hash import extend_block_hashes
 
-from test_placement import BS, R, demand, ids, load
+from test_ranking import BS, R, demand, ids, load
 
 
 @pytest.mark.parametrize("load_weight, expected", [
@@ -73,47 +73,11 @@ def test_a_next_turn_stays_with_its_history_when_every_group_holds_the_system_pr
 def test_negative_weights_are_refused():
     with pytest.raises(ValueError, match="must not be negative"):
         rank_groups(demand(BS), [load("a", 0)], load_weight=-1.0)
-    with pytest.raises(ValueError, match="queue_weight must not be negative"):
-        rank_groups(demand(BS), [load("a", 0)], queue_weight=-1.0)
 
 
-def test_queue_weight_prefers_the_group_with_less_pending_compute():
-    # Same projected occupancy (10 blocks committed each); "busy" holds them as 10 blocks of
-    # tokens still to compute, "idle" as KV in use. Without the queue score the tie goes to the
-    # group id, "busy"; with it, the group with no backlog.
-    loads = [load("busy", 0, waiting=10 * BS), load("idle", 10)]
-    assert ids(rank_groups(demand(2 * BS), loads)) == ["busy", "idle"]
-    assert ids(rank_groups(demand(2 * BS), loads, queue_weight=2.0)) == ["idle", "busy"]
-    # sent-since-report tokens are pending too
-    loads = [load("busy", 0, sent=10 * BS), load("idle", 10)]
-    assert ids(rank_groups(demand(2 * BS), loads, queue_weight=2.0)) == ["idle", "busy"]
-
-
-def test_queue_weight_gives_way_to_a_long_cached_prefix():
-    hashes = extend_block_hashes([], list(range(8 * BS)), BS)
-    loads = [load("warm", 0, waiting=4 * BS, cached=hashes), load("cold", 4)]
-    placements = rank_groups(demand(8 * BS, hashes), loads, queue_weight=2.0)
-    assert ids(placements) == ["warm", "cold"]  # prefix 3 * 8/8 beats queue 2 * 1
-
-
-def test_headroom_load_scale_keeps_a_next_turn_on_its_group_while_both_are_far_from_target():
-    # 4 of the request's 10 blocks are cached on "warm"; projected occupancy 0.36 there, 0.12 on
-    # "idle". Relative to the busiest group idle's load score is 2 * (1 - 0.12/0.36) = 1.33,
-    # more than warm's prefix 3 * 4/10 = 1.2; as headroom under the 0.7 target the load
-    # difference is 2 * 0.24/0.7 = 0.69 and the prefix keeps the turn where its history is.
-    hashes = extend_block_hashes([], list(range(10 * BS)), BS)
-    loads = [load("warm", 30, cached=hashes[:4]), load("idle", 2)]
-    assert ids(rank_groups(demand(10 * BS, hashes), loads)) == ["idle", "warm"]
-    headroom = rank_groups(demand(10 * BS, hashes), loads, load_scale="target")
-    assert ids(headroom) == ["warm", "idle"]
-    assert headroom[0].reason is R.UNDER_TARGET_PREFIX
-    # with the busiest group at the target the two scales are one: 2 * (1 - 0.2/0.7) > 1.2
-    loads = [load("warm", 64, cached=hashes[:4]), load("idle", 10)]
-    for scale in ("highest", "target"):
-        assert ids(rank_groups(demand(10 * BS, hashes), loads, load_scale=scale)) == [
-            "idle", "warm"]
-
-
-def test_unknown_load_scale_is_refused_by_name():
-    with pytest.raises(ValueError, match="load_scale must be one of highest, target"):
-        rank_groups(demand(BS), [load("a", 0)], load_scale="lowest")
+def test_a_conversations_group_is_placed_by_its_score_among_the_base_groups():
+    # Every group holds the 4-block system prompt; "b" also the conversation's next 4 blocks.
+    loads = [load("a", 10), load("b", 20), load("c", 5), load("d", 80)]
+    cached = {"a": 4, "b": 8, "c": 4, "d": 4}
+    placements = rank_groups(demand(10 * BS, tuple(range(10))), loads, cached_prefix=cached)
+    assert ids(placements) == ["b", "c", "a", "d"]

@@ -1,6 +1,6 @@
 """The pure placement policy: at, above and exactly on the target, ties, stale reports, bursts,
 cached prefixes, bad input, and the ranking's properties (the weighted score that orders the
-groups under target: test_placement_score.py)."""
+groups under target: test_ranking_score.py)."""
 
 from __future__ import annotations
 
