@@ -35,6 +35,10 @@ _REFUSED_COMMON: Dict[str, Tuple[Any, ...]] = {
 # Prompts in one batched /v1/completions request: each is an engine request of its own, routed on
 # its own, so a batch this long is already a burst.
 MAX_BATCH_PROMPTS = 256
+# Stop strings, as OpenAI allows: each is matched against the tail of every choice's text at
+# every step, so their number and length bound that work.
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 1024
 _REFUSED_COMPLETION = {**_REFUSED_COMMON, "suffix": (None, ""), "best_of": (None, 1)}
 _REFUSED_CHAT = {
     **_REFUSED_COMMON, "tools": (None, []), "tool_choice": (None, "none"),
@@ -84,7 +88,9 @@ class _SamplingFields(BaseModel):
     n: int = Field(1, description="Number of choices (one prefill, shared prompt blocks).")
     stream: bool = Field(False, description="Stream chunks by server-sent events.")
     stream_options: Optional[StreamOptions] = Field(None, description="Streaming options.")
-    stop: Optional[Union[str, List[str]]] = Field(None, description="Stop strings.")
+    stop: Optional[Union[str, List[str]]] = Field(
+        None, description=f"Up to {MAX_STOP_STRINGS} stop strings ({MAX_STOP_CHARS} "
+                          f"characters in all).")
     stop_token_ids: Optional[List[int]] = Field(None, description="Stop tokens.")
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string.")
     seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64,
@@ -104,6 +110,19 @@ class _SamplingFields(BaseModel):
     def _refuse_unsupported(cls, raw: Any) -> Any:
         _refuse(raw, cls._refused)
         return raw
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: Optional[Union[str, List[str]]]
+                      ) -> Optional[Union[str, List[str]]]:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+        num_chars = sum(map(len, strings))
+        if num_chars > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings of at most {MAX_STOP_CHARS} characters in all, "
+                             f"got {num_chars}")
+        return stop
 
     @field_validator("top_k")
     @classmethod
