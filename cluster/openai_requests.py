@@ -49,6 +49,14 @@ _REFUSED_CHAT = {
     "echo": (None, False),
 }
 _REFUSED_IN_MESSAGES = {"tool_calls": (None, []), "function_call": (None,)}
+# Parameters of transformers' apply_chat_template, which the server sets (or refuses as the
+# request's own fields): chat_template_kwargs holds the template's variables only. Its
+# chat_template is a template sent in the request (cluster.request_limits.check_chat_templates).
+_TEMPLATE_CALL_PARAMS = (
+    "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+)
 
 
 def _refuse(raw: Any, refused: Dict[str, Tuple[Any, ...]], where: str = "") -> None:
@@ -274,12 +282,30 @@ class _TemplateFields(BaseModel):
                 _refuse(message, _REFUSED_IN_MESSAGES, f"messages[{i}].")
         return raw
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, kwargs: Optional[Dict[str, Any]]
+                                 ) -> Optional[Dict[str, Any]]:
+        for key in kwargs or ():
+            if key in _TEMPLATE_CALL_PARAMS:
+                param = f"chat_template_kwargs.{key}"
+                raise ProtocolError(f"{param}: a parameter of the template call, not a "
+                                    f"variable of the template; leave it out", param=param)
+        return kwargs
+
     @model_validator(mode="after")
     def _one_way_to_end(self) -> "_TemplateFields":
         if self.continue_final_message and self.add_generation_prompt:
             raise ProtocolError("continue_final_message needs add_generation_prompt=false",
                                 param="continue_final_message")
         return self
+
+    def request_templates(self) -> List[Tuple[str, Any]]:
+        """The chat templates the request sends, each with the field that carries it."""
+        sent = [("chat_template", self.chat_template),
+                ("chat_template_kwargs.chat_template",
+                 (self.chat_template_kwargs or {}).get("chat_template"))]
+        return [(param, template) for param, template in sent if template is not None]
 
     def template_options(self) -> Dict[str, Any]:
         """Keyword arguments for ``tokenizer.apply_chat_template``."""

@@ -105,6 +105,18 @@ def test_stop_takes_at_most_four_strings_of_bounded_length(build):
         assert err.param == "stop" and "at most 1024 characters" in err.message, err.message
 
 
+def test_chat_template_kwargs_hold_template_variables_and_name_request_templates():
+    body = chat(chat_template="{{ 1 }}", chat_template_kwargs={"chat_template": "{{ 2 }}",
+                                                                "enable_thinking": False})
+    assert body.request_templates() == [("chat_template", "{{ 1 }}"),
+                                        ("chat_template_kwargs.chat_template", "{{ 2 }}")]
+    assert chat(chat_template_kwargs={"enable_thinking": False}).request_templates() == []
+    for key in ("tokenize", "tools", "documents"):  # the template call's own parameters
+        err = refused(chat, chat_template_kwargs={key: True})
+        assert err.param == f"chat_template_kwargs.{key}", err.message
+        assert "not a variable of the template" in err.message
+
+
 def test_missing_model_and_invalid_json():
     with pytest.raises(ProtocolError, match="model: Field required"):
         parse_request(b'{"prompt": "x"}', CompletionRequest)
