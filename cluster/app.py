@@ -71,6 +71,8 @@ class ServeConfig:
     max_queued_requests: Optional[int] = None  # per ingress; None: one more round of the groups
     max_request_body_mb: float = 4.0
     request_timeout_s: float = 600.0
+    # Chat templates sent in requests (Jinja run by the ingress): refused unless trusted.
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         check_limits(self)
@@ -124,7 +126,8 @@ def request_limits(config: ServeConfig) -> Tuple[int, int, IngressLimits]:
     limits = IngressLimits(
         max_in_flight=ingress_max_in_flight(config.max_groups, per_group, queued),
         max_body_bytes=int(config.max_request_body_mb * MIB),
-        request_timeout_s=config.request_timeout_s)
+        request_timeout_s=config.request_timeout_s,
+        trust_request_chat_template=config.trust_request_chat_template)
     return per_group, queued, limits
 
 

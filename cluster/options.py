@@ -129,3 +129,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout-s", type=float, default=600.0,
                         help="a request still running after this is aborted with 504; a "
                              "client may ask for less with X-Request-Timeout (default 600)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept chat templates sent in requests (chat_template, "
+                             "chat_template_kwargs.chat_template): Jinja the ingress runs, "
+                             "bounded in time and size; without it they get 400")

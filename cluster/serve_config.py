@@ -155,7 +155,8 @@ def serve_config_from(values: argparse.Namespace, engine: EngineConfig,
                        placement_strategy=values.placement_strategy,
                        max_queued_requests=values.max_queued_requests,
                        max_request_body_mb=values.max_request_body_mb,
-                       request_timeout_s=values.request_timeout_s)
+                       request_timeout_s=values.request_timeout_s,
+                       trust_request_chat_template=values.trust_request_chat_template)
 
 
 def plan_from_cli(args: argparse.Namespace, engine: EngineConfig) -> ServePlan:

@@ -103,12 +103,16 @@ class GrpcService:
 
     async def complete(self, request: pb.CompletionRequest, context: Any
                        ) -> pb.CompletionResponse:
-        return await self._unary("Complete", context, pb.CompletionResponse,
-                                 lambda: _response(self._completion_run(request, context)))
+        async def response() -> pb.CompletionResponse:
+            return await _response(await self._completion_run(request, context))
+
+        return await self._unary("Complete", context, pb.CompletionResponse, response)
 
     async def chat(self, request: pb.ChatRequest, context: Any) -> pb.CompletionResponse:
-        return await self._unary("Chat", context, pb.CompletionResponse,
-                                 lambda: _response(self._chat_run(request, context)))
+        async def response() -> pb.CompletionResponse:
+            return await _response(await self._chat_run(request, context))
+
+        return await self._unary("Chat", context, pb.CompletionResponse, response)
 
     def complete_stream(self, request: pb.CompletionRequest, context: Any
                         ) -> AsyncIterator[pb.CompletionChunk]:
@@ -129,25 +133,27 @@ class GrpcService:
 
     # ----- the shared path -----
 
-    def _completion_run(self, request: pb.CompletionRequest, context: Any) -> RequestRun:
+    async def _completion_run(self, request: pb.CompletionRequest, context: Any
+                              ) -> RequestRun:
         timer = RequestTimer()
         self._ingress.authorize(_metadata(context, "authorization"))
         body = self._ingress.check_body(completion_request(request))
-        return self._admitted(self._ingress.completion_run, body, timer)
+        return await self._admitted(self._ingress.completion_run, body, timer)
 
-    def _chat_run(self, request: pb.ChatRequest, context: Any) -> RequestRun:
+    async def _chat_run(self, request: pb.ChatRequest, context: Any) -> RequestRun:
         timer = RequestTimer()
         self._ingress.authorize(_metadata(context, "authorization"))
         body = self._ingress.check_body(chat_request(request))
-        return self._admitted(self._ingress.chat_run, body, timer)
+        return await self._admitted(self._ingress.chat_run, body, timer)
 
-    def _admitted(self, run: Callable[..., RequestRun], body: Any, timer: RequestTimer
-                  ) -> RequestRun:
+    async def _admitted(self, run: Callable[..., Awaitable[RequestRun]], body: Any,
+                        timer: RequestTimer) -> RequestRun:
         """The run in one of the ingress's generation slots (429: RESOURCE_EXHAUSTED), within
         the server's request timeout (a client's deadline cancels the call sooner)."""
         release = self._ingress.admit()
         try:
-            return run(body, timer, timeout_s=self._ingress.request_timeout_s, release=release)
+            return await run(body, timer, timeout_s=self._ingress.request_timeout_s,
+                             release=release)
         except BaseException:
             release()
             raise
@@ -167,10 +173,11 @@ class GrpcService:
         self._record(method, grpc.StatusCode.OK)
         return response
 
-    async def _stream(self, method: str, context: Any, start: Callable[[], RequestRun]
+    async def _stream(self, method: str, context: Any,
+                      start: Callable[[], Awaitable[RequestRun]]
                       ) -> AsyncIterator[pb.CompletionChunk]:
         try:
-            run = start()
+            run = await start()
             try:
                 async with aclosing(_chunks(run)) as chunks:
                     async for chunk in chunks:

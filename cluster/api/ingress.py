@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP ingress: a FastAPI app served by a Ray Serve deployment.
 
-Each request is authorized, parsed, tokenized (the checkpoint's tokenizer and chat template) and
-checked against the context length here, so bad input gets a 4xx before anything is routed and
-the router knows the request's token count. It then goes to a TP group through the group
-deployment's handle, ``generate(payload, num_tokens=T, block_hashes=H)``
+Each request is authorized, parsed, tokenized (the checkpoint's tokenizer and chat template, on
+a thread pool with a time bound: ``cluster.api.prompt_pool``) and checked against the context length
+here, so bad input gets a 4xx before anything is routed and the router knows the request's token
+count. It then goes to a TP group through the group deployment's handle,
+``generate(payload, num_tokens=T, block_hashes=H)``
 (``cluster.api.group_calls``; a batch of prompts as one request each), whose chunks
 (``cluster.groups.stream``) are turned into one OpenAI response or a stream of server-sent events
 ending in ``data: [DONE]``. A client that goes away cancels its handle call, which aborts the
@@ -62,6 +63,7 @@ from cluster.api.openai_requests import (
     ignored_fields,
 )
 from cluster.api.openapi_schema import openapi_document
+from cluster.api.prompt_pool import PromptPool
 from cluster.api.request_limits import (
     IngressLimits,
     check_declared_length,
@@ -129,12 +131,13 @@ class OpenAIIngress:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self._api_key = api_key or None
+        self._limits = limits or IngressLimits()
         self.prompts = PromptCodec(Path(model_dir))
+        self._prompt_pool = PromptPool(self.prompts, self._limits)
         self.metrics = IngressMetrics(served_model_name, max_model_len, export_to_ray=True)
         self._store = get_metrics_store()
         self._created = int(time.time())
         self._grpc = GrpcService(self)
-        self._limits = limits or IngressLimits()
         # A request whose group died waits for a healthy one as long as its own deadline.
         self._migration = MigrationPolicy(max_migrations=max_migrations,
                                           max_wait_s=self._limits.request_timeout_s)
@@ -155,7 +158,8 @@ class OpenAIIngress:
     async def _completion(self, request: Request, timer: RequestTimer,
                           limits: Dict[str, Any]) -> Response:
         body = self._parse(await self._body(request), CompletionRequest)
-        return await self._respond(self.completion_run(body, timer, **limits), body.stream)
+        return await self._respond(await self.completion_run(body, timer, **limits),
+                                   body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -164,7 +168,7 @@ class OpenAIIngress:
     async def _chat_completion(self, request: Request, timer: RequestTimer,
                                limits: Dict[str, Any]) -> Response:
         body = self._parse(await self._body(request), ChatCompletionRequest)
-        return await self._respond(self.chat_run(body, timer, **limits), body.stream)
+        return await self._respond(await self.chat_run(body, timer, **limits), body.stream)
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Dict[str, Any]:
@@ -173,12 +177,11 @@ class OpenAIIngress:
         raw = await self._body(request)
         if "messages" in _json_object(raw):
             chat = self._parse(raw, TokenizeChatRequest)
-            ids = self.prompts.chat_prompt_ids(chat.messages, chat.template_options(),
-                                        chat.add_special_tokens)
+            ids = await self._prompt_pool.chat_prompt_ids(chat)
             want_strs = chat.return_token_strs
         else:
             body = self._parse(raw, TokenizeCompletionRequest)
-            ids = self.prompts.prompt_ids(body.prompt, body.add_special_tokens)
+            [ids] = await self._prompt_pool.prompt_ids([body.prompt], body.add_special_tokens)
             want_strs = body.return_token_strs
         strs = self.prompts.token_strs(ids) if want_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
@@ -189,7 +192,8 @@ class OpenAIIngress:
         self._authorize(request)
         body = self._parse(await self._body(request), DetokenizeRequest)
         self.prompts.check_token_ids(body.tokens, "tokens")
-        return {"prompt": self.prompts.detokenize(body.tokens)}
+        [text] = await self._prompt_pool.texts([body.tokens])
+        return {"prompt": text}
 
     @app.get("/version")
     async def version(self) -> Dict[str, str]:
@@ -251,26 +255,24 @@ class OpenAIIngress:
 
     # ----- the request path both protocols share -----
 
-    def completion_run(self, body: CompletionRequest, timer: RequestTimer, *, timeout_s: float,
-                       release: Callable[[], None]) -> RequestRun:
+    async def completion_run(self, body: CompletionRequest, timer: RequestTimer, *,
+                             timeout_s: float, release: Callable[[], None]) -> RequestRun:
         """Tokenize and check a completion request, and send it to a TP group; ``release``
         (the admission slot's) is called when the run ends."""
-        prompt_ids = [self.prompts.prompt_ids(prompt, body.add_special_tokens)
-                      for prompt in body.prompts]
+        prompt_ids = await self._prompt_pool.prompt_ids(body.prompts, body.add_special_tokens)
         max_tokens = [resolve_max_tokens(body.max_tokens, len(ids), self.max_model_len,
                                          default=DEFAULT_COMPLETION_MAX_TOKENS)
                       for ids in prompt_ids]
         fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()),
                                self.served_model_name, body.include_usage)
-        echo = [self.prompts.detokenize(ids) for ids in prompt_ids] if body.echo else []
+        echo = await self._prompt_pool.texts(prompt_ids) if body.echo else []
         return self._requests.start(fmt, body, max_tokens, prompt_ids, timer, echo,
                                     timeout_s=timeout_s, release=release)
 
-    def chat_run(self, body: ChatCompletionRequest, timer: RequestTimer, *, timeout_s: float,
-                 release: Callable[[], None]) -> RequestRun:
+    async def chat_run(self, body: ChatCompletionRequest, timer: RequestTimer, *,
+                       timeout_s: float, release: Callable[[], None]) -> RequestRun:
         """Apply the chat template, check the request, and send it to a TP group."""
-        prompt_ids = self.prompts.chat_prompt_ids(body.messages, body.template_options(),
-                                           body.add_special_tokens)
+        prompt_ids = await self._prompt_pool.chat_prompt_ids(body)
         max_tokens = resolve_max_tokens(body.requested_max_tokens, len(prompt_ids),
                                         self.max_model_len, param=body.max_tokens_param,
                                         prompt_param="messages")

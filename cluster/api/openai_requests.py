@@ -35,6 +35,10 @@ _REFUSED_COMMON: Dict[str, Tuple[Any, ...]] = {
 # Prompts in one batched /v1/completions request: each is an engine request of its own, routed on
 # its own, so a batch this long is already a burst.
 MAX_BATCH_PROMPTS = 256
+# Stop strings, as OpenAI allows: each is matched against the tail of every choice's text at
+# every step, so their number and length bound that work.
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 1024
 _REFUSED_COMPLETION = {**_REFUSED_COMMON, "suffix": (None, ""), "best_of": (None, 1)}
 _REFUSED_CHAT = {
     **_REFUSED_COMMON, "tools": (None, []), "tool_choice": (None, "none"),
@@ -45,6 +49,14 @@ _REFUSED_CHAT = {
     "echo": (None, False),
 }
 _REFUSED_IN_MESSAGES = {"tool_calls": (None, []), "function_call": (None,)}
+# Parameters of transformers' apply_chat_template, which the server sets (or refuses as the
+# request's own fields): chat_template_kwargs holds the template's variables only. Its
+# chat_template is a template sent in the request (cluster.api.request_limits.check_chat_templates).
+_TEMPLATE_CALL_PARAMS = (
+    "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+)
 
 
 def _refuse(raw: Any, refused: Dict[str, Tuple[Any, ...]], where: str = "") -> None:
@@ -84,7 +96,9 @@ class _SamplingFields(BaseModel):
     n: int = Field(1, description="Number of choices (one prefill, shared prompt blocks).")
     stream: bool = Field(False, description="Stream chunks by server-sent events.")
     stream_options: Optional[StreamOptions] = Field(None, description="Streaming options.")
-    stop: Optional[Union[str, List[str]]] = Field(None, description="Stop strings.")
+    stop: Optional[Union[str, List[str]]] = Field(
+        None, description=f"Up to {MAX_STOP_STRINGS} stop strings ({MAX_STOP_CHARS} "
+                          f"characters in all).")
     stop_token_ids: Optional[List[int]] = Field(None, description="Stop tokens.")
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string.")
     seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64,
@@ -104,6 +118,19 @@ class _SamplingFields(BaseModel):
     def _refuse_unsupported(cls, raw: Any) -> Any:
         _refuse(raw, cls._refused)
         return raw
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: Optional[Union[str, List[str]]]
+                      ) -> Optional[Union[str, List[str]]]:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+        num_chars = sum(map(len, strings))
+        if num_chars > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings of at most {MAX_STOP_CHARS} characters in all, "
+                             f"got {num_chars}")
+        return stop
 
     @field_validator("top_k")
     @classmethod
@@ -255,12 +282,30 @@ class _TemplateFields(BaseModel):
                 _refuse(message, _REFUSED_IN_MESSAGES, f"messages[{i}].")
         return raw
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, kwargs: Optional[Dict[str, Any]]
+                                 ) -> Optional[Dict[str, Any]]:
+        for key in kwargs or ():
+            if key in _TEMPLATE_CALL_PARAMS:
+                param = f"chat_template_kwargs.{key}"
+                raise ProtocolError(f"{param}: a parameter of the template call, not a "
+                                    f"variable of the template; leave it out", param=param)
+        return kwargs
+
     @model_validator(mode="after")
     def _one_way_to_end(self) -> "_TemplateFields":
         if self.continue_final_message and self.add_generation_prompt:
             raise ProtocolError("continue_final_message needs add_generation_prompt=false",
                                 param="continue_final_message")
         return self
+
+    def request_templates(self) -> List[Tuple[str, Any]]:
+        """The chat templates the request sends, each with the field that carries it."""
+        sent = [("chat_template", self.chat_template),
+                ("chat_template_kwargs.chat_template",
+                 (self.chat_template_kwargs or {}).get("chat_template"))]
+        return [(param, template) for param, template in sent if template is not None]
 
     def template_options(self) -> Dict[str, Any]:
         """Keyword arguments for ``tokenizer.apply_chat_template``."""

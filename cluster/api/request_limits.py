@@ -8,6 +8,11 @@
   ``DeadlineStream`` wraps the request's group stream: past the deadline it cancels the group
   call (which aborts the request in the engine and frees its KV blocks) and raises a 504, which
   the ingress answers as OpenAI's error JSON, or as an error event then ``[DONE]`` mid-stream.
+- A chat template sent in a request (``chat_template``, ``chat_template_kwargs.chat_template``)
+  is a Jinja program the ingress would run: refused with a 400 naming the field unless the
+  server trusts them (``--trust-request-chat-template``), and then of at most
+  ``max_chat_template_chars``. Rendering and tokenizing a request's prompts is bounded by
+  ``prompt_timeout_s`` (``cluster.api.prompt_pool``).
 
 Pure: no Ray (Starlette's ``Request`` only).
 """
@@ -18,7 +23,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Protocol
+from typing import Any, Dict, Mapping, Optional, Protocol, Sequence, Tuple
 
 from starlette.requests import Request
 
@@ -37,6 +42,9 @@ class IngressLimits:
     max_body_bytes: int = 4 * MIB  # 413 beyond
     request_timeout_s: float = 600.0  # 504 beyond (clients may ask for less)
     retry_after_s: float = DEFAULT_RETRY_AFTER_S  # the Retry-After of a 429 or 503
+    trust_request_chat_template: bool = False  # else a request's chat template is a 400
+    max_chat_template_chars: int = 64 * 1024  # a trusted request's template; 400 beyond
+    prompt_timeout_s: float = 10.0  # rendering and tokenizing a request's prompts; 400 beyond
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -48,6 +56,12 @@ class IngressLimits:
                              f"{self.request_timeout_s}")
         if not self.retry_after_s >= 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.max_chat_template_chars < 1:
+            raise ValueError(f"max_chat_template_chars must be at least 1, got "
+                             f"{self.max_chat_template_chars}")
+        if not (self.prompt_timeout_s > 0 and math.isfinite(self.prompt_timeout_s)):
+            raise ValueError(f"prompt_timeout_s must be a positive number of seconds, got "
+                             f"{self.prompt_timeout_s}")
 
 
 def body_too_large(max_bytes: int, what: str) -> ProtocolError:
@@ -74,6 +88,23 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
             raise body_too_large(max_bytes, f"more than {size} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def check_chat_templates(templates: Sequence[Tuple[str, Any]], limits: IngressLimits) -> None:
+    """A 400 naming the field for a request's own chat template (``(field, template)`` pairs)
+    unless the server trusts them; a trusted one must be a string within the size limit."""
+    for param, template in templates:
+        if not limits.trust_request_chat_template:
+            raise ProtocolError(f"{param}: this server applies only the model's own chat "
+                                f"template; a template sent in a request runs only on a server "
+                                f"started with --trust-request-chat-template", param=param)
+        if not isinstance(template, str):
+            raise ProtocolError(f"{param}: expected a Jinja template (a string), got "
+                                f"{type(template).__name__}", param=param)
+        if len(template) > limits.max_chat_template_chars:
+            raise ProtocolError(f"{param}: a chat template of {len(template)} characters; this "
+                                f"server takes at most {limits.max_chat_template_chars}",
+                                param=param)
 
 
 def request_timeout_s(headers: Mapping[str, str], server_timeout_s: float) -> float:

@@ -49,6 +49,17 @@ def test_bad_requests_name_the_field():
         chat_request(pb.ChatRequest(model="m"))
 
 
+def test_stop_is_limited_as_on_the_http_api():
+    with pytest.raises(ProtocolError, match="at most 4 stop strings, got 5") as info:
+        completion_request(pb.CompletionRequest(model="m", prompt="a", stop=list("abcde")))
+    assert info.value.param == "stop"
+    with pytest.raises(ProtocolError, match="at most 1024 characters") as info:
+        chat_request(pb.ChatRequest(model="m", messages=[pb.ChatMessage(role="user",
+                                                                        content="hi")],
+                                    stop=["x" * 1025]))
+    assert info.value.param == "stop"
+
+
 def test_chat_messages_and_options():
     body = chat_request(pb.ChatRequest(model="m", max_tokens=5, stop=["x"], ignore_eos=True,
                                        messages=[pb.ChatMessage(role="user", content="hi")]))

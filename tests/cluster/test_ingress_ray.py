@@ -27,6 +27,7 @@ from cluster.groups.stream import stream_chunks  # noqa: E402
 from cluster.api.ingress import HEALTH_MAX_REPORT_AGE_S, build_ingress  # noqa: E402
 from cluster.metrics import get_metrics_store  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
+from cluster.api.request_limits import IngressLimits  # noqa: E402
 from kv.prefix_hash import extend_block_hashes  # noqa: E402
 from tiny_models import hf_greedy  # noqa: E402
 from workers.async_engine import AsyncLLMEngine, EngineDeadError  # noqa: E402
@@ -542,3 +543,57 @@ def test_unsupported_chat_parameters_get_400_naming_them(client):
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
         extra_body={"chat_template_kwargs": {"enable_thinking": False}, "frobnicate": 1})
     assert out.choices[0].finish_reason in ("length", "stop")
+
+
+# ----- chat templates sent in requests -----
+
+TRUSTED_APP = "tpserve-ingress-trusted"
+PROMPT_TIMEOUT_S = 3.0
+# 3e8 empty Jinja loop iterations: seconds of pure Python (the sandbox caps one range at 1e5).
+SLOW_TEMPLATE = ("{% for i in range(3000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                 "{{ messages[0]['content'] }}")
+
+
+@pytest.fixture(scope="module")
+def trusted(server, tiny_llama):
+    """A second ingress, in front of the same group, that trusts request chat templates (the
+    server fixture's serve.shutdown removes it)."""
+    limits = IngressLimits(trust_request_chat_template=True, prompt_timeout_s=PROMPT_TIMEOUT_S)
+    app = build_ingress(server["group"], str(tiny_llama), MODEL, BLOCK_SIZE, 256, API_KEY,
+                        limits=limits, max_migrations=0)
+    serve.run(app, name=TRUSTED_APP, route_prefix="/trusted")
+    return {**server, "url": server["url"] + "/trusted"}
+
+
+def test_request_chat_templates_are_refused_unless_trusted(server, client):
+    messages = [{"role": "user", "content": "hi"}]
+    for extra, param in [({"chat_template": "{{ messages[0]['content'] }}"}, "chat_template"),
+                         ({"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}},
+                          "chat_template_kwargs.chat_template")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                           extra_body=extra)
+        assert info.value.body["param"] == param, info.value.body
+        assert "--trust-request-chat-template" in info.value.body["message"]
+        status, body = call(server, "POST", "/tokenize", {"messages": messages, **extra})
+        assert status == 400 and json.loads(body)["error"]["param"] == param, body
+
+
+def test_a_slow_trusted_template_stalls_neither_health_nor_other_requests(trusted, group):
+    group.push_metrics.remote().result()  # /health: 200 while this report is fresh (5 s)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(call, trusted, "POST", "/v1/chat/completions",
+                           {**chat, "chat_template": SLOW_TEMPLATE})
+        time.sleep(0.5)  # the slow template renders
+        start = time.monotonic()
+        health, _ = call(trusted, "GET", "/health", key=None)
+        status, body = call(trusted, "POST", "/v1/chat/completions", chat)
+        waited_s = time.monotonic() - start
+        assert (health, status) == (200, 200) and not slow.done(), (
+            f"/health {health} and another chat {status} took {waited_s:.1f} s beside the slow "
+            f"template (done: {slow.done()})")
+        status, body = slow.result()
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == "chat_template", error
+    assert f"{PROMPT_TIMEOUT_S:g} s" in error["message"], error

@@ -93,6 +93,30 @@ def test_unsupported_or_mistyped_fields(fields, param, words):
     assert err.param == param and words in err.message, err.message
 
 
+@pytest.mark.parametrize("build", [completion, chat])
+def test_stop_takes_at_most_four_strings_of_bounded_length(build):
+    """As OpenAI: up to 4 stop strings; together at most 1024 characters."""
+    assert build(stop=["a", "b", "c", "d" * 1021]).sampling(1)["stop"] == \
+        ["a", "b", "c", "d" * 1021]
+    err = refused(build, stop=["a", "b", "c", "d", "e"])
+    assert err.param == "stop" and "at most 4 stop strings, got 5" in err.message, err.message
+    for stop in ("x" * 1025, ["a", "x" * 1024]):
+        err = refused(build, stop=stop)
+        assert err.param == "stop" and "at most 1024 characters" in err.message, err.message
+
+
+def test_chat_template_kwargs_hold_template_variables_and_name_request_templates():
+    body = chat(chat_template="{{ 1 }}", chat_template_kwargs={"chat_template": "{{ 2 }}",
+                                                                "enable_thinking": False})
+    assert body.request_templates() == [("chat_template", "{{ 1 }}"),
+                                        ("chat_template_kwargs.chat_template", "{{ 2 }}")]
+    assert chat(chat_template_kwargs={"enable_thinking": False}).request_templates() == []
+    for key in ("tokenize", "tools", "documents"):  # the template call's own parameters
+        err = refused(chat, chat_template_kwargs={key: True})
+        assert err.param == f"chat_template_kwargs.{key}", err.message
+        assert "not a variable of the template" in err.message
+
+
 def test_missing_model_and_invalid_json():
     with pytest.raises(ProtocolError, match="model: Field required"):
         parse_request(b'{"prompt": "x"}', CompletionRequest)

@@ -131,3 +131,23 @@ def test_the_placement_strategy_is_an_arg_and_an_option():
     assert serve_config_from_args({}, {}).placement_strategy is None  # PACK, as Serve LLM
     with pytest.raises(ValueError, match="args.placement_strategy: expected one of PACK"):
         serve_config_from_args({"placement_strategy": "pack"}, {})
+
+
+def test_request_chat_templates_are_trusted_only_when_asked():
+    """--trust-request-chat-template (trust_request_chat_template in a file's args) reaches
+    the ingress's limits; without it a request's chat template is refused."""
+    from cluster.app import request_limits
+    from cluster.cli.main import build_parser
+    from cluster.cli.generate import engine_config
+    from cluster.serve_config import plan_from_cli
+
+    def trusted(config):
+        return request_limits(config)[2].trust_request_chat_template
+
+    assert not trusted(serve_config_from_args({}, {}))
+    assert trusted(serve_config_from_args({"trust_request_chat_template": True}, {}))
+    with pytest.raises(ValueError, match="args.trust_request_chat_template: expected true"):
+        serve_config_from_args({"trust_request_chat_template": "yes"}, {})
+    for argv, expected in [([], False), (["--trust-request-chat-template"], True)]:
+        args = build_parser().parse_args(["serve", *argv])
+        assert trusted(plan_from_cli(args, engine_config(args)).config) is expected

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -70,7 +74,7 @@ def test_gpu_cluster_head_has_no_gpus_and_workers_scale_between_bounds():
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_tpserve_is_installed_and_the_disk_tier_is_on_nvme(name):
     config = load(name)
-    assert any("pip install" in cmd and "~/tpserve" in cmd for cmd in config["setup_commands"])
+    assert any("pip install" in cmd and "$HOME/tpserve" in cmd for cmd in setup_commands(config))
     assert config["file_mounts"]["~/tpserve"] == "./"
     serve_args = yaml.safe_load((REPO / "deploy" / "ray" / "serve.yaml").read_text())
     disk_dir = serve_args["applications"][0]["args"]["disk_kv_dir"]
@@ -79,6 +83,36 @@ def test_tpserve_is_installed_and_the_disk_tier_is_on_nvme(name):
                 + [c for t in config.get("available_node_types", {}).values()
                    for c in t.get("initialization_commands", [])])
     assert any(disk_dir in cmd for cmd in commands)
+
+
+def setup_commands(config: dict) -> list:
+    return [cmd for key in ("setup_commands", "head_setup_commands", "worker_setup_commands")
+            for cmd in config.get(key, [])]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_editable_installs_resolve_the_mounted_checkout_in_a_shell(name, tmp_path):
+    """Each `pip install -e` setup command, run by bash as `ray up` runs it, with HOME holding
+    the checkout where file_mounts puts it (~/tpserve): pip must find the project there. A
+    dry run without the index or dependencies: nothing is downloaded or installed."""
+    (tmp_path / "tpserve").symlink_to(REPO)
+    commands = [c for c in setup_commands(load(name)) if "pip install" in c and " -e " in c]
+    assert commands, f"{name} installs no editable tpserve"
+    env = {**os.environ, "HOME": str(tmp_path),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for command in commands:
+        if sys.prefix != sys.base_prefix:  # pip refuses --user inside the tests' virtualenv
+            command = " ".join(word for word in shlex.split(command, posix=False)
+                               if word != "--user")
+        dry_run = (f"{command} --dry-run --no-deps --no-build-isolation --no-index "
+                   f"--ignore-installed --report -")
+        done = subprocess.run(["bash", "-c", dry_run], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"{name}: {command}\n{done.stderr}"
+        [install] = json.loads(done.stdout)["install"]
+        assert install["metadata"]["name"] == "tpserve"
+        assert install["download_info"] == {"url": (tmp_path / "tpserve").as_uri(),
+                                            "dir_info": {"editable": True}}
 
 
 def test_local_cluster_lists_its_hosts_and_keeps_them_all():
