@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: test test-fast install model bench serve clean
 
-$(STAMP): pyproject.toml
+# The editable install compiles the C code into the checkout (setup.py): again when it changes.
+$(STAMP): pyproject.toml setup.py $(wildcard kv/attention/csrc/* cluster/routing/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch lies on this disk; users with CUDA bring their own build.
@@ -35,4 +36,4 @@ bench: $(STAMP)
 	$(PY) -m scripts.bench_engine
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info kv/attention/*.so cluster/routing/*.so

@@ -1,5 +1,6 @@
 """Compile a C source of tpserve's into a shared library on first use, with the machine's C
-compiler, cached on disk.
+compiler, cached on disk: the fallback where the library built with the package (``setup.py``)
+is missing or must not run here (`load_shipped_or_built`).
 
     path = build_shared(SOURCE, compile_flags, link_flags, link_libraries)
 
@@ -22,7 +23,9 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
+
+from kv.native_stamp import LibraryRefused, check_stamp
 
 CACHE_ENV = "TPSERVE_CACHE"  # the cache root the default model lives under too
 COMPILE_TIMEOUT_S = 120
@@ -30,6 +33,29 @@ COMPILE_TIMEOUT_S = 120
 
 class KernelBuildError(RuntimeError):
     """The code could not be compiled or loaded; the message says which command and why."""
+
+
+Loaded = TypeVar("Loaded")
+
+
+def load_shipped_or_built(library: Path, sources: Sequence[Path], load: Callable[[Path], Loaded],
+                          build: Callable[[], Path]) -> Tuple[Loaded, Optional[str]]:
+    """``load(library)``, the library built with the package, where it is there, loads and passes
+    `check_stamp` against ``sources``; else ``load(build())``, compiled now for this machine.
+    Returns what ``load`` returned and why the package's library was not used (None: it was).
+    Raises `KernelBuildError` naming both failures where neither can be used."""
+    try:
+        if not library.exists():
+            raise LibraryRefused(f"{library} is missing (the package was built without a C "
+                                 "compiler, or this checkout without `pip install -e .`)")
+        check_stamp(library, sources)
+        return load(library), None
+    except (LibraryRefused, OSError, ImportError) as exc:
+        why = str(exc)
+    try:
+        return load(build()), why
+    except (KernelBuildError, OSError, ImportError) as exc:
+        raise KernelBuildError(f"{why}; compiling it at first use failed: {exc}") from None
 
 
 def build_shared(source_path: Path, compile_flags: Sequence[str], link_flags: Sequence[str],

@@ -15,8 +15,12 @@ the decision times). `rank_groups` runs where this does not: the C extension not
 of over 64 groups, a fleet bit above 2**63, a request whose demand the C call refuses (which the
 Python path then names).
 
-Compiled as a CPython extension with ``-ffp-contract=off`` (no fused multiply-add, so scores are
-Python's doubles bit for bit). ``TPSERVE_NATIVE_ROUTER=0`` turns it off.
+A CPython extension built with the package by ``setup.py`` (``LIBRARY``, beside this file, in the
+wheel and in an editable install's checkout): ``-O2``, no ``-march``, and ``-ffp-contract=off``:
+no fused multiply-add, so scores are Python's doubles bit for bit. Where it is missing (built
+without a compiler) or was built from other sources (`kv.native_stamp`), it is compiled on first
+use by `kv.native_build.build_shared` with the same flags, and a warning says so.
+``TPSERVE_NATIVE_ROUTER=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Optional, Tuple
 
-from kv.native_build import KernelBuildError, build_shared
+from kv.native_build import KernelBuildError, build_shared, load_shipped_or_built
 
 if TYPE_CHECKING:
     from cluster.routing.load_report import FleetLoads
@@ -43,6 +47,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "native_rank.c"
 HEADERS = (SOURCE.with_name("prefix_table.h"),)  # the prefix index's C mirror
 MODULE_NAME = "tpserve_native_rank"  # PyInit_ in the source
+# Built with the package (setup.py), for this Python.
+LIBRARY = Path(__file__).with_name(MODULE_NAME + sysconfig.get_config_var("EXT_SUFFIX"))
 SWITCH_ENV = "TPSERVE_NATIVE_ROUTER"
 MAX_GROUPS = 64  # a fleet's bits must fit one 64-bit mask
 
@@ -52,23 +58,37 @@ def compile_flags() -> Tuple[str, ...]:
             f"-I{sysconfig.get_paths()['include']}")
 
 
+def build() -> Path:
+    """The extension compiled at first use, where `LIBRARY` cannot be used (cached as
+    `kv.native_build.build_shared` says). Raises `KernelBuildError` naming the command."""
+    return build_shared(SOURCE, compile_flags(), ("-shared",), headers=HEADERS)
+
+
+def _load_extension(path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
 @functools.lru_cache(maxsize=None)
 def load() -> Optional[ModuleType]:
-    """The compiled module, built or loaded once per process; None where it cannot be."""
+    """The compiled module, loaded (or built) once per process; None where it cannot be."""
     if os.environ.get(SWITCH_ENV, "1").lower() in ("0", "false", "off", "no"):
         logger.info("router: %s=0, uniform fleets rank in Python", SWITCH_ENV)
         return None
     try:
-        path = build_shared(SOURCE, compile_flags(), ("-shared",), headers=HEADERS)
-        loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
-        spec = importlib.util.spec_from_file_location(MODULE_NAME, path, loader=loader)
-        assert spec is not None
-        module = importlib.util.module_from_spec(spec)
-        loader.exec_module(module)
-    except (KernelBuildError, OSError, ImportError) as exc:
+        module, why_built = load_shipped_or_built(LIBRARY, (SOURCE, *HEADERS), _load_extension,
+                                                  build)
+    except KernelBuildError as exc:
         logger.warning("router: the C ranking is not used, uniform fleets rank in Python "
                        "(slower): %s", exc)
         return None
+    if why_built:
+        logger.warning("router: %s; the C ranking was compiled at first use instead: %s",
+                       why_built, module.__file__)
     return module
 
 

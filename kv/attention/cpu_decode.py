@@ -1,5 +1,5 @@
 """Decode attention on CPU straight from the paged cache: a C kernel (``kv/attention/csrc/paged_decode.c``)
-compiled on first use with the machine's C compiler and called through ctypes.
+built with the package and called through ctypes.
 
 Why: the plain-PyTorch decode path (``kv/attention/torch_paged.py``) gathers every key and value a
 bucket may see into padded dense tensors, then calls SDPA, whose CPU kernel copies the strided
@@ -12,11 +12,15 @@ caches laid out ``[slots, Hkv, D]`` contiguously. Anything else (CUDA, bf16, pre
 PyTorch path. The results are fp32 sums in another order than SDPA's: within 1e-6 of it on
 unit-scale inputs, not bitwise equal.
 
-Building: `kv.native_build.build_shared` (``$CC``, default ``cc``) with ``-O3 -march=native
--fopenmp -ffast-math``, cached under tpserve's cache root, one file per source, flags, compiler
-and CPU. The loaded kernel is checked against the PyTorch path on a small input before it is
-used. If there is no compiler, the build or the check fails, or ``TPSERVE_CPU_KERNELS=0``, a log
-line says so and decodes take the PyTorch path: nothing else changes.
+Building: ``setup.py`` compiles it into ``kv/attention/libpaged_decode.so`` (``-O3 -fopenmp
+-ffast-math``, ``-march=x86-64-v3`` unless ``TPSERVE_MARCH`` says otherwise), in the wheel and
+in an editable install's checkout. Where that library is missing (built without a compiler), was
+built from another ``paged_decode.c`` or needs CPU flags this CPU lacks (`kv.native_stamp`), it
+is compiled on first use instead by `kv.native_build.build_shared` (``$CC``, default ``cc``) with
+``-march=native``, cached under tpserve's cache root, and a warning says so. The loaded kernel is
+checked against the PyTorch path on a small input before it is used. If neither can be had, the
+check fails, or ``TPSERVE_CPU_KERNELS=0``, a log line says so and decodes take the PyTorch path:
+nothing else changes.
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ import torch
 import torch.nn.functional as F
 
 from kv.kv_cache import gather_rows
-from kv.native_build import KernelBuildError, build_shared
+from kv.native_build import KernelBuildError, build_shared, load_shipped_or_built
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+LIBRARY = Path(__file__).with_name("libpaged_decode.so")  # built with the package (setup.py)
+# What compiles it at first use where LIBRARY cannot be used (setup.py's flags are portable).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC")
 # Linked without -ffast-math (see the source's comment); libmvec holds the vector expf that
 # -ffast-math calls on x86-64 glibc: where the link finds none, it is tried without.
@@ -113,19 +119,24 @@ def decode_kernel() -> Optional[DecodeKernel]:
         logger.info("CPU decode attention: %s=0, the PyTorch path runs", SWITCH_ENV)
         return None
     try:
-        kernel = DecodeKernel(build())
+        kernel, why_built = load_shipped_or_built(LIBRARY, (SOURCE,), DecodeKernel, build)
         check(kernel)
     except (KernelBuildError, OSError) as exc:
         logger.warning("CPU decode attention: the C kernel is not used, the PyTorch path runs "
                        "(slower): %s", exc)
         return None
-    logger.info("CPU decode attention: C kernel %s", kernel.path)
+    if why_built:
+        logger.warning("CPU decode attention: %s; the C kernel was compiled for this machine at "
+                       "first use instead: %s", why_built, kernel.path)
+    else:
+        logger.info("CPU decode attention: C kernel %s", kernel.path)
     return kernel
 
 
 def build(cache_dir: Optional[Path] = None) -> Path:
-    """The compiled kernel's path, compiling it unless a build for this source, compiler and CPU
-    is cached. Raises `KernelBuildError` naming the command and its error."""
+    """The kernel compiled at first use, where `LIBRARY` cannot be used: its path, compiling it
+    unless a build for this source, compiler and CPU is cached. Raises `KernelBuildError` naming
+    the command and its error."""
     return build_shared(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBRARIES, cache_dir)
 
 

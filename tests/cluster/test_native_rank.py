@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -19,6 +20,7 @@ from cluster.routing.fleet_order import UniformRanking
 from cluster.routing.ranking import RequestDemand, rank_groups
 from cluster.routing.prefix_index import PrefixIndex
 from cluster.routing.settings import RouterSettings
+from kv.native_build import CACHE_ENV
 from kv.prefix_hash import extend_block_hashes
 
 BS = 8
@@ -175,15 +177,41 @@ def test_a_demand_rank_groups_refuses_is_refused(module, num_tokens, block_size,
                     block_size)
 
 
-def test_without_a_compiler_the_router_ranks_in_python(monkeypatch, caplog):
-    monkeypatch.setenv("CC", "/nonexistent/cc")
+@pytest.fixture
+def no_shipped_library(monkeypatch, tmp_path):
+    """The package's library (setup.py's) missing, as in a package built without a compiler;
+    what is compiled at first use instead goes to tmp_path."""
+    missing = tmp_path / native_rank.LIBRARY.name
+    monkeypatch.setattr(native_rank, "LIBRARY", missing)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     native_rank.load.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger="cluster.routing.native_rank"):
-            assert native_rank.load() is None
-        assert "'/nonexistent/cc'" in caplog.text and "rank in Python" in caplog.text
-    finally:
-        native_rank.load.cache_clear()
+    yield missing
+    native_rank.load.cache_clear()
+
+
+def _records(caplog):
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == native_rank.__name__]
+
+
+def test_without_the_library_it_is_compiled_at_first_use_with_one_warning(no_shipped_library,
+                                                                         tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger=native_rank.__name__):
+        module = native_rank.load()
+    assert module is not None and Path(module.__file__).parent == tmp_path / "kernels"
+    assert _records(caplog) == [(logging.WARNING, (
+        f"router: {no_shipped_library} is missing (the package was built without a C compiler, "
+        "or this checkout without `pip install -e .`); the C ranking was compiled at first use "
+        f"instead: {module.__file__}"))]
+
+
+def test_without_the_library_or_a_compiler_the_router_ranks_in_python(monkeypatch,
+                                                                      no_shipped_library, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.INFO, logger=native_rank.__name__):
+        assert native_rank.load() is None
+    [(level, message)] = _records(caplog)
+    assert level == logging.WARNING and "rank in Python" in message
+    assert f"{no_shipped_library} is missing" in message and "'/nonexistent/cc'" in message
 
 
 def test_the_switch_turns_it_off(monkeypatch):

@@ -1,5 +1,5 @@
-"""The CPU decode kernel (C, compiled on first use) equals the PyTorch path, and a machine where it
-cannot be built runs the PyTorch path with a warning."""
+"""The CPU decode kernel (C, built with the package or compiled on first use) equals the PyTorch
+path, and a machine where it cannot be had runs the PyTorch path with a warning."""
 
 import logging
 import os
@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import kv.attention.cpu_decode as cpu_decode
 import kv.native_build as native_build
 from kv.attention.cpu_decode import DecodeKernel, KernelBuildError, build, decode_kernel, reference_attend
+from kv.native_stamp import LibraryRefused, check_stamp
 
 
 @pytest.fixture
@@ -23,6 +24,18 @@ def fresh_kernel(monkeypatch, tmp_path):
     decode_kernel.cache_clear()
     yield tmp_path / "kernels"
     decode_kernel.cache_clear()
+
+
+@pytest.fixture
+def no_shipped_library(monkeypatch, tmp_path):
+    """The package's library (setup.py's) missing, as in a package built without a compiler."""
+    missing = tmp_path / "libpaged_decode.so"
+    monkeypatch.setattr(cpu_decode, "LIBRARY", missing)
+    return missing
+
+
+def _records(caplog):
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == cpu_decode.__name__]
 
 
 def test_the_kernel_builds_and_runs_on_the_machines_the_suite_runs_on():
@@ -97,10 +110,13 @@ def test_a_slot_outside_the_cache_in_any_tile_is_an_error_not_a_read(position):
         decode_kernel().attend(torch.zeros(2, 1, 2, 64), cache, cache, slots, None, 1.0)
 
 
-def test_loading_it_leaves_denormals_alone(tmp_path):
+@pytest.mark.parametrize("built_by", ["setup.py", "first use"])
+def test_loading_it_leaves_denormals_alone(tmp_path, built_by):
     """Linked with -ffast-math, GCC 12 adds code that sets flush-to-zero for the whole process
     when the library loads: every torch op after it would change."""
-    DecodeKernel(build(tmp_path))
+    if built_by == "setup.py" and not cpu_decode.LIBRARY.exists():
+        pytest.skip("not built with the package here (`pip install -e .` builds it)")
+    DecodeKernel(cpu_decode.LIBRARY if built_by == "setup.py" else build(tmp_path))
     tiny = torch.tensor([1e-39])
     assert (tiny * 2).item() != 0.0
 
@@ -134,11 +150,60 @@ def test_a_failing_compiler_is_named_with_its_error(monkeypatch, tmp_path):
     assert os.listdir(tmp_path / "kernels") == []
 
 
-def test_without_a_compiler_decodes_take_the_pytorch_path(monkeypatch, fresh_kernel, caplog):
+def _shipped_library_or_skip():
+    if not cpu_decode.LIBRARY.exists():
+        pytest.skip("not built with the package here (`pip install -e .` builds it)")
+    try:
+        check_stamp(cpu_decode.LIBRARY, (cpu_decode.SOURCE,))
+    except LibraryRefused as exc:
+        if "CPU lacks" not in str(exc):
+            raise
+        pytest.skip(str(exc))
+
+
+def test_the_package_library_is_used_where_it_is_built(fresh_kernel, caplog):
+    _shipped_library_or_skip()
+    with caplog.at_level(logging.INFO, logger=cpu_decode.__name__):
+        kernel = decode_kernel()
+    assert kernel is not None and kernel.path == cpu_decode.LIBRARY
+    assert [level for level, _ in _records(caplog)] == [logging.INFO]
+    assert not fresh_kernel.exists()  # nothing compiled
+
+
+def test_a_library_built_from_other_sources_is_compiled_anew(monkeypatch, fresh_kernel, tmp_path,
+                                                             caplog):
+    """An editable install's library after the C changed: the C as it is now runs."""
+    _shipped_library_or_skip()
+    edited = tmp_path / "paged_decode.c"
+    edited.write_text(cpu_decode.SOURCE.read_text() + "/* edited */\n")
+    monkeypatch.setattr(cpu_decode, "SOURCE", edited)
+    with caplog.at_level(logging.INFO, logger=cpu_decode.__name__):
+        kernel = decode_kernel()
+    assert kernel is not None and kernel.path.parent == fresh_kernel
+    [(level, message)] = _records(caplog)
+    assert level == logging.WARNING
+    assert f"{cpu_decode.LIBRARY} was built from other sources than paged_decode.c" in message
+
+
+def test_without_the_library_it_is_compiled_at_first_use_with_one_warning(
+        fresh_kernel, no_shipped_library, caplog):
+    with caplog.at_level(logging.INFO, logger=cpu_decode.__name__):
+        kernel = decode_kernel()
+    assert kernel is not None and kernel.path.parent == fresh_kernel
+    assert _records(caplog) == [(logging.WARNING, (
+        f"CPU decode attention: {no_shipped_library} is missing (the package was built without "
+        "a C compiler, or this checkout without `pip install -e .`); the C kernel was compiled "
+        f"for this machine at first use instead: {kernel.path}"))]
+
+
+def test_without_the_library_or_a_compiler_decodes_take_the_pytorch_path(
+        monkeypatch, fresh_kernel, no_shipped_library, caplog):
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    with caplog.at_level(logging.WARNING, logger="kv.attention.cpu_decode"):
+    with caplog.at_level(logging.INFO, logger=cpu_decode.__name__):
         assert decode_kernel() is None
-    assert "'/nonexistent/cc'" in caplog.text and "PyTorch path" in caplog.text
+    [(level, message)] = _records(caplog)
+    assert level == logging.WARNING and "PyTorch path" in message
+    assert f"{no_shipped_library} is missing" in message and "'/nonexistent/cc'" in message
 
 
 def test_the_switch_turns_it_off(monkeypatch, fresh_kernel):
@@ -154,8 +219,10 @@ def test_an_unwritable_cache_builds_in_the_temporary_directory(monkeypatch, tmp_
     assert built.parent.parent == tmp_path and built.exists()
 
 
-def test_an_engine_on_cpu_has_it_before_its_first_step(fresh_kernel, tiny_llama):
-    """Compiled (about a second) while the rank starts, not in the first request's decode."""
+def test_an_engine_on_cpu_has_it_before_its_first_step(fresh_kernel, no_shipped_library,
+                                                        tiny_llama):
+    """Without the package's library, compiled (about a second) while the rank starts, not in the
+    first request's decode."""
     from workers.config import EngineConfig
     from workers.llm import LLM
 

@@ -13,11 +13,11 @@
  * 32 decodes of ~100 keys took 0.80x the time they took without prefetching, 0.88x with one
  * tile ahead: scripts/bench_cpu_decode.py, README).
  *
- * Called through ctypes by kv/attention/cpu_decode.py, which compiles this file with the machine's C
- * compiler on first use: -O3 -march=native -fopenmp -ffast-math, which vectorizes expf through
- * glibc's libmvec (-ffast-math assumes finite values, so maxima start at -FLT_MAX, not -inf).
- * It links without -ffast-math: linked with it, GCC 12 adds code that sets flush-to-zero for
- * the whole process when the library loads.
+ * Called through ctypes by kv/attention/cpu_decode.py. setup.py compiles it with the package
+ * (-O3 -march=x86-64-v3 -fopenmp -ffast-math), or the loader at first use with -march=native where
+ * that library cannot run. -ffast-math vectorizes expf through glibc's libmvec (and assumes
+ * finite values, so maxima start at -FLT_MAX, not -inf). It links without -ffast-math: linked
+ * with it, GCC 12 adds code that sets flush-to-zero for the whole process when the library loads.
  */
 #include <float.h>
 #include <math.h>
