@@ -10,9 +10,10 @@ prefix walk of `cluster.routing.prefix_index.PrefixIndex.prefix_split` and the r
 Why: a routing decision runs between engine steps, with the ingress's caches cold, and there
 each Python function a decision enters costs a fetch of its code and data. With 64 groups the
 two Python functions this replaces were most of a cold decision (``scripts/bench_router.py``,
-README). The Python ones stay: they are what a test checks this against, and what runs where
-this does not (no compiler or no ``Python.h``, fleets of over 64 groups, a fleet bit above
-2**63, a request whose demand the C call refuses, which the Python path then names).
+docs/benchmarks/router-decision.md). The Python ones stay: they are what a test checks this
+against, and what runs where this does not (no compiler or no ``Python.h``, fleets of over 64
+groups, a fleet bit above 2**63, a request whose demand the C call refuses, which the Python
+path then names).
 
 Built on first use by `kv.native_build.build_shared` as a CPython extension (``-O2``, no
 ``-march=native``, and ``-ffp-contract=off``: no fused multiply-add, so scores are Python's

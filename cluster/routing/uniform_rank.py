@@ -21,7 +21,7 @@ decision copies it and computes keys for the longer-prefix groups and O(log G) o
 base and those groups (`PrefixIndex.prefix_split`: one walk that names only the groups outlasting
 the base). Why kept, not sorted per decision: a decision runs between engine steps with cold
 caches, where reading every group's load for a sort cost more than the whole rest of the ranking
-(README, ``scripts/bench_router.py``).
+(docs/benchmarks/routing-policy.md#speed, ``scripts/bench_router.py``).
 
 Scores are the same floating-point expressions as `rank_groups`' (a test checks the two rankings
 are equal on generated fleets); outside those conditions (``is_uniform``) the caller ranks with
