@@ -10,7 +10,7 @@ that stream hundreds of MB through the caches; the live decision times `scripts/
 reads from the ingress (77-88 us with 2 and 8 groups) match this script's cold figures, not its
 hot ones; so do the live ones with 64 groups (``scripts/bench_serve.py --groups 64 --num-cpus 64``
 with the 2-layer test checkpoint, about 19 GB on a 24 GiB host: 139-146 us p50 against 125 cold
-here; on a later host 131 us against 133 cold; README).
+here; on a later host 131 us against 133 cold; docs/benchmarks/router-decision.md).
 
 The routers are the real classes, called as Serve calls them (``choose_replicas``, then
 ``on_request_routed`` for the replica taken). The replicas are stand-ins carrying what a router

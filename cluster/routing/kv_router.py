@@ -203,7 +203,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         start_ns = time.perf_counter_ns()
         request_id = pending_request.metadata.internal_request_id
         # Few function calls on this path: each costs a fetch of its code when caches are cold
-        # (docs/routing.md), so small helpers are inlined here.
+        # (docs/benchmarks/router-decision.md), so small helpers are inlined here.
         earlier = self._pending.pop(request_id, None)
         if earlier is not None:  # a retry: its earlier choice refused it
             self._release(earlier, request_id)
@@ -308,7 +308,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         """The candidates' loads. Serve passes its own replica list, a new object with every
         replica or report update; `update_replicas` builds its loads, and a decision only looks
         again at the groups changed since (charges, releases), not at every group (a loop over
-        every group is most of a decision when caches are cold: docs/routing.md)."""
+        every group is most of a decision when caches are cold: docs/benchmarks/router-decision.md)."""
         fleet = self._fleet_cache
         changed = self._changed
         max_age_s = self._settings.max_report_age_s

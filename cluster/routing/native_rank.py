@@ -10,8 +10,8 @@ generated fleets: tests/cluster/test_native_rank.py).
         state, block_hashes, num_tokens, block_size)
 
 Why: a routing decision runs between engine steps, with the ingress's caches cold, and there
-each Python function a decision enters costs a fetch of its code and data (docs/routing.md has
-the decision times). `rank_groups` runs where this does not: the C extension not loaded, fleets
+each Python function a decision enters costs a fetch of its code and data (docs/benchmarks/router-decision.md
+has the decision times). `rank_groups` runs where this does not: the C extension not loaded, fleets
 of over 64 groups, a fleet bit above 2**63, a request whose demand the C call refuses (which the
 Python path then names).
 

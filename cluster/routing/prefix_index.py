@@ -15,7 +15,7 @@ group's prefix ends where its bit drops out.
 
 Why: scanning each group's set for the leading run costs one set lookup per cached block per
 group (with 64 groups holding an 8-block system prompt, about 600 a decision, each a cache miss
-between engine steps; docs/routing.md). The walk here costs one dict lookup per request block
+between engine steps; docs/benchmarks/router-decision.md). The walk here costs one dict lookup per request block
 (fewer: it stops once no group is left).
 
 Costs: ``add``/``discard`` O(hashes given); ``prefix_blocks`` O(request blocks + groups with a

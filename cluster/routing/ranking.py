@@ -6,7 +6,7 @@
 Data in, decision out: no Ray, no clock, no I/O. The router (`cluster.routing.kv_router`) only
 turns Serve's routing stats into `GroupLoad`s and the ranking back into replicas; its compiled
 fast path (`cluster.routing.native_rank`) is checked against this function on generated fleets.
-The evidence behind each rule is in docs/routing.md.
+The evidence behind each rule is in docs/benchmarks/routing-policy.md.
 
 A request's demand on a group is its blocks (prompt plus expected output) less the leading
 prompt blocks that group has cached (or was lately sent, see ``GroupLoad``): those take no new

@@ -70,7 +70,7 @@ class TorchAttentionBackend(AttentionBackend):
     (``kv/attention/cpu_decode.py``) where it takes the cache: then all of a step's decodes form one
     bucket, attended in one kernel call per layer (the kernel skips masked keys unread, so a
     bucket's padding costs it nothing; measured on SmolLM2-135M's decode-heavy workload,
-    README)."""
+    docs/benchmarks/cpu-decode.md)."""
 
     name = "torch"
 

@@ -175,8 +175,9 @@ def test_exact_ties_go_to_the_group_given_the_least_work_not_the_first_by_id(ran
                                                                              num_groups):
     # Idle groups with equal reports tie on every key but the group id. Broken by the id, every
     # new conversation that arrived while the groups were idle went to the first group: on the
-    # serving benchmark all 13 such decisions of two runs (README). The router breaks them by the
-    # tokens its groups accepted so far.
+    # serving benchmark all 13 such decisions of two runs
+    # (docs/benchmarks/routing-policy.md#tie-break). The router breaks them by the tokens its
+    # groups accepted so far.
     names = [f"g{k:02d}" for k in range(num_groups)]
     serve.update([ServeStandIn(name, stats(1, 0)) for name in names])
     taken = []

@@ -216,9 +216,10 @@ def test_sent_tokens_push_the_prefix_group_over_target_so_the_next_request_goes_
 def test_a_history_lifts_its_group_over_the_target_above_one_under_it_while_its_pool_holds():
     """Kept below the target's line (the policy before), a conversation's next turn left its
     history as soon as its group passed the target and another had not: on the serving
-    benchmark at 3.5 req/s (README) 28 of 800 decisions gave up 1,260 cached blocks so, and the
-    hit rate was 0.05 under prefix affinity's. The history's group now ranks with the groups
-    under the target, by the score, until its pool no longer holds the request."""
+    benchmark at 3.5 req/s (docs/benchmarks/routing-policy.md#history) 28 of 800 decisions
+    gave up 1,260 cached blocks so, and the hit rate was 0.05 under prefix affinity's. The
+    history's group now ranks with the groups under the target, by the score, until its pool no
+    longer holds the request."""
     hashes = extend_block_hashes([], list(range(4 * BS)), BS)
     # 6 blocks asked, 4 of them cached in "cached_but_full": 69 + 2 = 0.71 there, 0.66 cold.
     loads = [load("cached_but_full", 69, cached=hashes), load("cold", 60)]

@@ -48,8 +48,9 @@ def test_a_waiting_request_counts_only_what_its_cached_prefix_does_not_hold(tiny
     """A conversation's next turn waiting behind others needs blocks only past its history's
     cached blocks (the router charges it so too). Counting its whole prompt made a busy group's
     report say its pool was past full while the turns queued there needed a few blocks each:
-    the router then sent the next turn away from its history (serving benchmark, README:
-    17 decisions and 1,102 cached blocks given up in 800 requests at 3.5 req/s)."""
+    the router then sent the next turn away from its history (serving benchmark at 3.5 req/s,
+    docs/history.md#serve-r35-versions: 17 decisions and 1,102 cached blocks given up in 800
+    requests)."""
     with _turns_waiting_behind_another(tiny_llama, 1) as sync:
         assert [r.request_id for r in sync.scheduler.waiting] == ["next0"]
         # 46 tokens in 12 blocks of 4, the first 10 cached (the history's 40 tokens): 6 to compute

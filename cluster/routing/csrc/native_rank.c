@@ -22,7 +22,7 @@
  * Scores are the Python expressions in the same order of operations; compiled without
  * floating-point contraction (no FMA), so the doubles are bit for bit Python's.
  * Why C: a decision runs between engine steps with cold caches, where each Python function a
- * decision enters costs a fetch of its code and data (docs/routing.md). */
+ * decision enters costs a fetch of its code and data (docs/benchmarks/router-decision.md). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>

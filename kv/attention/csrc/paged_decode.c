@@ -11,7 +11,7 @@
  * tiles are prefetched while a tile is attended: a sequence's slots jump from block to block,
  * which the hardware prefetchers do not follow (with the caches cold, as between engine steps,
  * 32 decodes of ~100 keys took 0.80x the time they took without prefetching, 0.88x with one
- * tile ahead: scripts/bench_cpu_decode.py, README).
+ * tile ahead: scripts/bench_cpu_decode.py, docs/benchmarks/cpu-decode.md).
  *
  * Called through ctypes by kv/attention/cpu_decode.py. setup.py compiles it with the package
  * (-O3 -march=x86-64-v3 -fopenmp -ffast-math), or the loader at first use with -march=native where
