@@ -4,8 +4,7 @@ kernel (CPU ranks, glibc only).
 A CPU step allocates and frees the same large temporaries every time (activations, gathered K/V:
 hundreds of KiB to MiB each). glibc's malloc serves such sizes with fresh ``mmap`` pages, or trims
 its heap after freeing them, so the next step page-faults every page in again (the kernel zeroes
-each one): on the 2-core AMD EPYC here a decode step's paged-attention gathers ran 3x slower that
-way (1.5 ms against 0.45 ms per layer at batch 32). Raising the mmap and trim thresholds keeps the
+each one; docs/benchmarks/engine.md). Raising the mmap and trim thresholds keeps the
 pages mapped and reused; the process then holds its peak working set, as a serving process does.
 """
 

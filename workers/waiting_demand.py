@@ -3,9 +3,8 @@ waiting demand, taken on the engine thread after every step.
 
 A waiting request needs blocks only past the leading blocks the pool has cached for it (the
 router charges it so too), so the report looks its prefix up. A full lookup per waiting request
-per report cost 2.2-2.3 ms with 64 requests of 2,048 tokens waiting and 8.8-10.5 ms with 256
-(block size 16; ``scripts/bench_load_report.py``): where a decode step takes 10-30 ms (a GPU),
-a long queue would slow every step by up to a third. So a report walks at most ``max_lookups``
+per report costs milliseconds with a long queue (docs/benchmarks/load-report.md), a large part
+of a GPU decode step. So a report walks at most ``max_lookups``
 blocks in all, starting where the last report's budget ran out, and each request's walk goes on
 from where it stopped: the blocks it found stay cached until the pool evicts a block, and only
 then does a walk start over. A request not walked yet counts its whole prompt (as if nothing
@@ -22,7 +21,7 @@ from kv.prefix_hash import extend_block_hashes
 from workers.request import Request
 from workers.scheduler import Scheduler
 
-MAX_LOOKUPS = 2048  # blocks looked up per report: about 0.6 ms in Python
+MAX_LOOKUPS = 2048  # blocks looked up per report (its cost: docs/benchmarks/load-report.md)
 
 
 class WaitingDemand:

@@ -3,9 +3,8 @@ built with the package and called through ctypes.
 
 Why: the plain-PyTorch decode path (``kv/attention/torch_paged.py``) gathers every key and value a
 bucket may see into padded dense tensors, then calls SDPA, whose CPU kernel copies the strided
-K/V once more. On a 2-core host, a decode step of SmolLM2-135M over 9 sequences of 1,700 tokens
-took 250 ms, 165 of them there (gathers 63, SDPA 102); the kernel reads each slot's key and value
-rows once, where they lie, for every query head: 58 ms, and the step 121 ms.
+K/V once more; the kernel reads each slot's key and value rows once, where they lie, for every
+query head (the step times: docs/benchmarks/cpu-decode.md).
 
 When it runs: the ``torch`` attention backend's decode-only buckets, on CPU, with fp32 queries and
 caches laid out ``[slots, Hkv, D]`` contiguously. Anything else (CUDA, bf16, prefills) takes the

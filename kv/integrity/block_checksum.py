@@ -57,7 +57,7 @@ XXH3 = BlockChecksum("xxh3", block_checksum)
 class ReferenceBlockHasher:
     """``DeviceBlockHasher`` in numpy over a CPU pool: what the CuPy kernel computes, so the
     device path of the copier (hash before a spill, copy then verify on a restore) runs and is
-    tested on CPU. Synchronous; about 1-2 GB/s per core."""
+    tested on CPU. Synchronous."""
 
     def __init__(self, kv_cache: KVCache) -> None:
         if kv_cache.data.is_cuda:

@@ -1,7 +1,7 @@
 """Checksums of KV block bytes written to a lower tier. Two functions, both 64 bits:
 
-- ``block_checksum``: xxh3 (about 9 GB/s per core from memory here, about 48 GB/s on bytes
-  already in cache, which is why CPU blocks are hashed right after they are copied).
+- ``block_checksum``: xxh3, several times faster on bytes already in cache, which is why CPU
+  blocks are hashed right after they are copied.
 - ``mix64_checksum``: what the device computes on CUDA (``kv/integrity/cupy_checksum.py``) so that host CPUs
   do not hash on the device's transfer path; this is its numpy reference, bit-identical to the
   kernel, and the function every host-side verification of a device-hashed block uses.
@@ -42,7 +42,7 @@ _STEPS = (np.arange(1, _CHUNK_WORDS + 1, dtype=np.uint64) * _GOLDEN)
 
 
 def block_checksum(data) -> int:
-    """xxh3-64 of a block's bytes (any contiguous buffer). About 9 GB/s per core."""
+    """xxh3-64 of a block's bytes (any contiguous buffer)."""
     return xxhash.xxh3_64_intdigest(data)
 
 
@@ -53,7 +53,7 @@ def mix64_checksum(data) -> int:
     (``[rows, row_bytes]``, each row contiguous, rows anywhere) hashed as the rows laid back to
     back, which is how a device block's strided rows are hashed in place. Raises ValueError when
     a row's byte size is not a multiple of 8. Cost: O(bytes), several numpy passes over 256 KiB
-    chunks (about 1-2 GB/s per core; the numpy calls release the GIL, so threads add up).
+    chunks (the numpy calls release the GIL, so threads add up).
     """
     array = np.asarray(data) if not isinstance(data, (bytes, bytearray, memoryview)) else (
         np.frombuffer(data, dtype=np.uint8))
