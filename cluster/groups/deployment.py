@@ -132,17 +132,19 @@ class TPGroupServer:
             if not finished:  # the caller went away: abort the request in the engine
                 ray.cancel(chunks)
 
-    async def _stats(self) -> Dict[str, Any]:
+    async def record_routing_stats(self) -> Dict[str, Any]:
+        """The group's `LoadReport` as the dict Serve carries to the routers."""
         if self._host is None:
-            return self._engine.stats()
-        return await self._host.stats.remote()
-
-    async def record_routing_stats(self) -> Dict:
-        return (await self._stats())["routing"]
+            report = self._engine.load_report()
+        else:
+            report = await self._host.load_report.remote()
+        return report.to_stats()
 
     async def record_autoscaling_stats(self) -> Dict[str, float]:
         """KV load for the autoscaling policy (``cluster.groups.autoscaling``)."""
-        return (await self._stats())["autoscaling"]
+        if self._host is None:
+            return self._engine.autoscaling_stats()
+        return await self._host.autoscaling_stats.remote()
 
     async def check_health(self) -> None:
         if self._host is None:
