@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 import ray
 
-from cluster.contract import LoadReport
+from cluster.contract import GroupChunk, GroupRequest, LoadReport
 from cluster.groups.autoscaling import KV_USAGE_METRIC
 from cluster.groups.stream import stream_chunks
 from cluster.metrics import existing_metrics_store, get_metrics_store
@@ -53,12 +53,12 @@ class GroupEngine:
         threading.Thread(target=self._push_metrics, name="tpserve-metrics-push",
                          daemon=True).start()
 
-    async def generate(self, payload: dict, routing_id: Optional[str] = None
-                       ) -> AsyncIterator[dict]:
+    async def generate(self, request: GroupRequest, routing_id: Optional[str] = None
+                       ) -> AsyncIterator[GroupChunk]:
         """``routing_id``: the id the router charged the request under (listed in the load
         report's ``accepted_ids``)."""
         # aclosing: a cancelled call aborts the engine request now, not at garbage collection.
-        chunks = stream_chunks(self.engine, payload, routing_id=routing_id)
+        chunks = stream_chunks(self.engine, request, routing_id=routing_id)
         async with contextlib.aclosing(chunks) as chunks:
             async for chunk in chunks:
                 yield chunk
