@@ -42,6 +42,7 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 
 REPO = Path(__file__).resolve().parents[1]
 
+from cluster.contract import LoadReport  # noqa: E402
 from cluster.routing import native_rank  # noqa: E402
 from cluster.routing.kv_router import KVAwareRouter  # noqa: E402
 from kv.prefix_hash import extend_block_hashes  # noqa: E402
@@ -96,10 +97,10 @@ def fleet(num_groups: int, convs: List[List[int]], rng: random.Random) -> List[S
     replicas = []
     for g in range(num_groups):
         cached = [h for c in rng.sample(convs, 3) for h in c[:rng.randrange(8, 32)]]
-        replicas.append(StandInReplica(f"group-{g}", {
-            "seq": 1, "time": time.time(), "kv_blocks_used": rng.randrange(51, 307),
-            "kv_blocks_total": 512, "block_size": BLOCK_SIZE, "waiting_tokens": 0,
-            "cached_block_hashes": cached, "accepted_ids": []}))
+        replicas.append(StandInReplica(f"group-{g}", LoadReport(
+            seq=1, time=time.time(), num_blocks_used=rng.randrange(51, 307),
+            num_blocks_total=512, block_size=BLOCK_SIZE, num_waiting_tokens=0,
+            cached_block_hashes=frozenset(cached), accepted_ids=frozenset()).to_stats()))
     return replicas
 
 

@@ -1,6 +1,7 @@
 """The ingress's requests to the TP groups: a checked request's prompts (one, or a batch's) each
 sent through the group deployment's handle, routed by its token count and block hashes
-(``generate(payload, num_tokens=T, block_hashes=H)``), and read back as one `RequestRun`.
+(``generate(request, num_tokens=T, block_hashes=H)``, a `cluster.contract.GroupRequest`), and
+read back as one `RequestRun`.
 
 A batch holds a generation slot per prompt (`IngressAdmission`), its prompts run as separate
 engine requests (``<id>-<p>``) whose chunks are merged (`MergedStreams`). Each prompt's call
@@ -12,21 +13,24 @@ charged for a request's output comes from the lengths of finished ones (`OutputL
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster.api.admission import IngressAdmission
-from cluster.groups.stream import sampling_params
 from cluster.api.metrics import IngressMetrics, RequestTimer
 from cluster.api.prompts import PromptCodec
 from cluster.api.request_run import GroupStream, MergedStreams, MigrationPolicy, RequestRun
 from cluster.api.protocol import CompletionFormat, ProtocolError
 from cluster.routing.output_length import OutputLengthEstimate, router_charge
 from cluster.api.request_limits import DeadlineStream
+from cluster.contract import GroupRequest
 from kv.prefix_hash import extend_block_hashes
+from workers.request import RequestId
+from workers.sampling_params import SamplingParams
 
 
 class GroupRequests:
@@ -58,11 +62,9 @@ class GroupRequests:
     def _start(self, fmt: CompletionFormat, body: Any, max_tokens: List[int],
                prompt_ids: List[List[int]], timer: RequestTimer, echo: Sequence[str],
                timeout_s: float, release: Callable[[], None]) -> RequestRun:
-        samplings = [body.sampling(m) for m in max_tokens]
-        for sampling in samplings:
-            check_sampling(sampling)
-        self.prompts.check_token_ids(list(samplings[0]["logit_bias"]), "logit_bias")
-        n, batched = samplings[0]["n"], len(prompt_ids) > 1
+        samplings = [request_sampling(body, m) for m in max_tokens]
+        self.prompts.check_token_ids(list(samplings[0].logit_bias), "logit_bias")
+        n, batched = samplings[0].n, len(prompt_ids) > 1
         streams: List[GroupStream] = []
         try:
             for p, (ids, sampling, m) in enumerate(zip(prompt_ids, samplings, max_tokens)):
@@ -81,7 +83,7 @@ class GroupRequests:
         stream = DeadlineStream(merged, timeout_s)  # the deadline covers the migrations too
         return RequestRun(fmt, stream, timer,  # type: ignore[arg-type]
                           sum(map(len, prompt_ids)), n * len(prompt_ids),
-                          samplings[0]["logprobs"] is not None, self.prompts.token_text, on_end,
+                          samplings[0].logprobs is not None, self.prompts.token_text, on_end,
                           echo=[text for text in echo for _ in range(n)],
                           continuous_usage=body.continuous_usage)
 
@@ -98,18 +100,17 @@ class GroupRequests:
             more()
         return release_all
 
-    def _send(self, request_id: str, prompt_ids: List[int], sampling: Dict[str, Any],
+    def _send(self, request_id: str, prompt_ids: List[int], sampling: SamplingParams,
               max_tokens: int, own_serve_id: bool = False) -> GroupStream:
         """One prompt to a TP group, routed by its token count and block hashes; with
         ``own_serve_id`` (a batch's prompt), as a Serve request of its own."""
-        payload = {"request_id": request_id, "prompt_token_ids": prompt_ids,
-                   "sampling": sampling}
-        n = sampling["n"]
+        request = GroupRequest(RequestId(request_id), tuple(prompt_ids), sampling)
+        n = sampling.n
         charge = router_charge(len(prompt_ids), n, max_tokens, self._output_lengths)
         block_hashes = extend_block_hashes([], prompt_ids, self.block_size)
 
         def start(resume: List[int]):  # again, resumed, when the group serving it failed
-            sent = {**payload, "resume_output_ids": resume} if resume else payload
+            sent = request.resumed(resume) if resume else request
             call = lambda: self._group.generate.remote(sent, num_tokens=charge,  # noqa: E731
                                                        block_hashes=block_hashes)
             return in_own_serve_request(call) if own_serve_id else call()
@@ -138,11 +139,16 @@ def in_own_serve_request(call: Callable[[], Any]) -> Any:
     return contextvars.copy_context().run(run)
 
 
-def check_sampling(sampling: Dict[str, Any]) -> None:
-    """The engine's checks of a request's sampling, as a 400 naming the field."""
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def request_sampling(body: Any, max_tokens: int) -> SamplingParams:
+    """The request's sampling for a prompt of ``max_tokens``; the engine's checks of it fail
+    as a 400 naming the field."""
     try:
-        sampling_params(sampling)
+        return body.sampling(max_tokens)
     except ValueError as exc:
         message = str(exc)
         first_word = message.split(" ", 1)[0].rstrip(":")
-        raise ProtocolError(message, param=first_word if first_word in sampling else None)
+        raise ProtocolError(message,
+                            param=first_word if first_word in _SAMPLING_FIELDS else None) from None

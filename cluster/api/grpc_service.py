@@ -87,9 +87,9 @@ async def _response(run: RequestRun) -> pb.CompletionResponse:
 async def _chunks(run: RequestRun) -> AsyncIterator[pb.CompletionChunk]:
     async with aclosing(run.updates()) as updates:
         async for chunk, choice in updates:
-            message = pb.CompletionChunk(id=run.fmt.request_id, text=chunk["delta_text"],
-                                         token_ids=chunk["new_token_ids"])
-            if chunk["finished"]:
+            message = pb.CompletionChunk(id=run.fmt.request_id, text=chunk.delta_text,
+                                         token_ids=chunk.new_token_ids)
+            if chunk.finished:
                 message.finish_reason = choice.finish_reason or ""
                 message.usage.CopyFrom(usage(run.num_prompt_tokens, run.num_output_tokens))
             yield message

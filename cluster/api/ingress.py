@@ -1,16 +1,17 @@
 """The OpenAI-compatible HTTP ingress: a FastAPI app served by a Ray Serve deployment.
 
 Each request is authorized, parsed, tokenized (the checkpoint's tokenizer and chat template, on
-a thread pool with a time bound: ``cluster.api.prompt_pool``) and checked against the context length
-here, so bad input gets a 4xx before anything is routed and the router knows the request's token
-count. It then goes to a TP group through the group deployment's handle,
-``generate(payload, num_tokens=T, block_hashes=H)``
+a thread pool with a time bound: ``cluster.api.prompt_pool``) and checked against the context
+length here, so bad input gets a 4xx before anything is routed and the router knows the
+request's token count. It then goes to a TP group through the group deployment's handle,
+``generate(request, num_tokens=T, block_hashes=H)``
 (``cluster.api.group_calls``; a batch of prompts as one request each), whose chunks
-(``cluster.groups.stream``) are turned into one OpenAI response or a stream of server-sent events
-ending in ``data: [DONE]``. A client that goes away cancels its handle call, which aborts the
-request in the engine. Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/tokenize``, ``/detokenize``, ``/version`` (vLLM's shapes), ``/health`` (503 while no group
-serves), ``/metrics``. Every error is OpenAI's error JSON; unexpected ones say nothing internal.
+(``cluster.contract``: ``GroupRequest`` in, ``GroupChunk``s out) are turned into one OpenAI
+response or a stream of server-sent events ending in ``data: [DONE]``. A client that goes away
+cancels its handle call, which aborts the request in the engine. Endpoints:
+``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/tokenize``, ``/detokenize``,
+``/version`` (vLLM's shapes), ``/health`` (503 while no group serves), ``/metrics``. Every error
+is OpenAI's error JSON; unexpected ones say nothing internal.
 The same deployment answers the gRPC API (``tpserve.v1.TPServe``) for Serve's gRPC proxy: its
 methods named after the RPCs hand over to ``cluster.api.grpc_service``, which takes the same path
 (``authorize``, ``check_body``, ``admit``, ``completion_run`` / ``chat_run``).

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Dict, List, Literal, Optional, Tuple, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.api.protocol import ProtocolError
+from workers.sampling_params import SamplingParams
 
 # Defined by OpenAI or vLLM, not implemented here: the values that mean "not asked for".
 _REFUSED_COMMON: Dict[str, Tuple[Any, ...]] = {
@@ -166,23 +167,24 @@ class _SamplingFields(BaseModel):
     def requested_logprobs(self) -> Optional[int]:
         raise NotImplementedError
 
-    def sampling(self, max_tokens: int) -> Dict[str, Any]:
-        """The ``sampling`` dict of the group payload (``workers.sampling_params`` fields)."""
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        """The request's sampling for the group (`cluster.contract.GroupRequest.sampling`);
+        ValueError from `SamplingParams` names a field out of its range."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return {
-            "max_tokens": max_tokens,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": self.top_k, "min_p": self.min_p, "n": self.n, "seed": self.seed,
-            "stop": stop, "stop_token_ids": list(self.stop_token_ids or []),
-            "include_stop_str_in_output": self.include_stop_str_in_output,
-            "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()},
-            "logprobs": self.requested_logprobs(),
-        }
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k, min_p=self.min_p, n=self.n, seed=self.seed,
+            stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            logprobs=self.requested_logprobs(),
+        )
 
 
 class CompletionRequest(_SamplingFields):

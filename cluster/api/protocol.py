@@ -12,6 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 from typing import (
+    TYPE_CHECKING,
     Any,
     Callable,
     Dict,
@@ -24,6 +25,9 @@ from typing import (
 )
 
 from pydantic import BaseModel, ValidationError
+
+if TYPE_CHECKING:  # the engine's type, without importing torch into the protocol
+    from workers.sampler import SampledToken
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -141,11 +145,11 @@ class TokenLogprob:
     top: Tuple[Tuple[str, float], ...] = ()
 
 
-def token_logprobs(entries: Sequence[Dict[str, Any]], decode: Callable[[int], str]
+def token_logprobs(entries: Sequence[SampledToken], decode: Callable[[int], str]
                    ) -> List[TokenLogprob]:
-    """Chunk logprobs (``{"token_id", "logprob", "top_logprobs": [[id, lp], ...]}``) as text."""
-    return [TokenLogprob(decode(e["token_id"]), e["logprob"],
-                         tuple((decode(i), lp) for i, lp in e.get("top_logprobs", ())))
+    """A chunk's logprobs (`cluster.contract.GroupChunk.logprobs`) as text."""
+    return [TokenLogprob(decode(e.token_id), e.logprob,
+                         tuple((decode(i), lp) for i, lp in e.top_logprobs))
             for e in entries]
 
 

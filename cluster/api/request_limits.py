@@ -23,12 +23,13 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Any, Mapping, Optional, Protocol, Sequence, Tuple
 
 from starlette.requests import Request
 
 from cluster.api.admission import DEFAULT_RETRY_AFTER_S
 from cluster.api.protocol import ProtocolError
+from cluster.contract import GroupChunk
 
 TIMEOUT_HEADER = "X-Request-Timeout"
 MIB = 1 << 20
@@ -133,7 +134,7 @@ def timed_out(timeout_s: float) -> ProtocolError:
 class ChunkStream(Protocol):
     finished: bool
 
-    async def __anext__(self) -> Dict[str, Any]: ...
+    async def __anext__(self) -> GroupChunk: ...
 
     def cancel(self) -> None: ...
 
@@ -155,7 +156,7 @@ class DeadlineStream:
     def __aiter__(self) -> "DeadlineStream":
         return self
 
-    async def __anext__(self) -> Dict[str, Any]:
+    async def __anext__(self) -> GroupChunk:
         remaining = self.deadline - time.monotonic()
         try:
             if remaining <= 0:

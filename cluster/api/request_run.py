@@ -1,15 +1,16 @@
 """One OpenAI request in flight at the ingress: the group's chunks in, a response or SSE out.
 
-``GroupStream`` wraps the streaming handle call to a TP group and turns its failures into
-``ProtocolError``s; ``RequestRun`` keeps what has been seen of each of the request's ``n``
-choices (text and token ids) and builds the JSON response (``collect``) or the stream of
-server-sent events (``events``); the gRPC API reads its chunks (``updates``) or waits for the
-end (``drain``). Nothing here knows Ray Serve beyond the handle's response object.
+``GroupStream`` wraps the streaming handle call to a TP group (its `cluster.contract.GroupChunk`s)
+and turns its failures into ``ProtocolError``s; ``RequestRun`` keeps what has been seen of each
+of the request's ``n`` choices (text and token ids) and builds the JSON response (``collect``)
+or the stream of server-sent events (``events``); the gRPC API reads its chunks (``updates``)
+or waits for the end (``drain``). Nothing here knows Ray Serve beyond the handle's response object.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from ray.serve.handle import DeploymentResponseGenerator
 
 from cluster.api.admission import DEFAULT_RETRY_AFTER_S, overloaded
 from cluster.api.metrics import RequestTimer
+from cluster.contract import GroupChunk
 from cluster.api.protocol import (
     SSE_DONE,
     ChoiceResult,
@@ -115,7 +117,7 @@ class GroupStream:
     def __aiter__(self) -> "GroupStream":
         return self
 
-    async def __anext__(self) -> Dict[str, Any]:
+    async def __anext__(self) -> GroupChunk:
         if self.finished:
             raise StopAsyncIteration
         waited_s, num_waits = 0.0, 0
@@ -138,8 +140,8 @@ class GroupStream:
                 self._attempt_has_chunks = False
         self._attempt_has_chunks = True
         if self._num_choices == 1:
-            self._tokens.extend(chunk["new_token_ids"])
-        self._num_unfinished -= bool(chunk["finished"])
+            self._tokens.extend(chunk.new_token_ids)
+        self._num_unfinished -= chunk.finished
         self.finished = self._num_unfinished == 0
         return chunk
 
@@ -178,8 +180,8 @@ class MergedStreams:
     def __init__(self, streams: List[Any], num_choices: int) -> None:
         self._streams = streams
         self._num_choices = num_choices
-        self._next: Dict[int, "asyncio.Task[Dict[str, Any]]"] = {}
-        self._ready: List[Dict[str, Any]] = []
+        self._next: Dict[int, "asyncio.Task[GroupChunk]"] = {}
+        self._ready: List[GroupChunk] = []
 
     @property
     def finished(self) -> bool:
@@ -190,7 +192,7 @@ class MergedStreams:
     def __aiter__(self) -> "MergedStreams":
         return self
 
-    async def __anext__(self) -> Dict[str, Any]:
+    async def __anext__(self) -> GroupChunk:
         while not self._ready:
             for p, stream in enumerate(self._streams):
                 if p not in self._next and not stream.finished:
@@ -204,13 +206,15 @@ class MergedStreams:
                     self._take(p, task)
         return self._ready.pop(0)
 
-    def _take(self, p: int, task: "asyncio.Task[Dict[str, Any]]") -> None:
+    def _take(self, p: int, task: "asyncio.Task[GroupChunk]") -> None:
         try:
             chunk = task.result()
         except BaseException:
             self.cancel()
             raise
-        self._ready.append({**chunk, "index": chunk.get("index", 0) + p * self._num_choices})
+        if p:
+            chunk = dataclasses.replace(chunk, index=chunk.index + p * self._num_choices)
+        self._ready.append(chunk)
 
     def cancel(self) -> None:
         for task in self._next.values():
@@ -268,19 +272,19 @@ class RequestRun:
             self.is_recorded = True
             self.on_end(self, outcome)
 
-    def _on_chunk(self, chunk: Dict[str, Any]) -> _Choice:
-        choice = self.choices[chunk.get("index", 0)]
-        self.timer.on_tokens(len(chunk["new_token_ids"]))
-        choice.num_output_tokens = chunk["num_output_tokens"]
-        choice.texts.append(chunk["delta_text"])
-        choice.token_ids.extend(chunk["new_token_ids"])
-        if chunk["finished"]:
-            choice.finish_reason = chunk["finish_reason"]
-        if self.want_logprobs and chunk["logprobs"]:
-            choice.logprobs.extend(token_logprobs(chunk["logprobs"], self.decode_token))
+    def _on_chunk(self, chunk: GroupChunk) -> _Choice:
+        choice = self.choices[chunk.index]
+        self.timer.on_tokens(len(chunk.new_token_ids))
+        choice.num_output_tokens = chunk.num_output_tokens
+        choice.texts.append(chunk.delta_text)
+        choice.token_ids.extend(chunk.new_token_ids)
+        if chunk.finished:
+            choice.finish_reason = chunk.finish_reason
+        if self.want_logprobs and chunk.logprobs:
+            choice.logprobs.extend(token_logprobs(chunk.logprobs, self.decode_token))
         return choice
 
-    async def updates(self) -> AsyncIterator[Tuple[Dict[str, Any], "_Choice"]]:
+    async def updates(self) -> AsyncIterator[Tuple[GroupChunk, "_Choice"]]:
         """Each chunk with its choice, once counted. The request ends (aborted in the group if
         unfinished, and recorded) when the iteration does: done, failed, or closed early."""
         outcome = "abort"
@@ -308,7 +312,7 @@ class RequestRun:
                    for i, c in enumerate(self.choices)]
         return self.fmt.response(results, self.num_prompt_tokens, self.num_output_tokens)
 
-    async def first_chunk(self) -> Dict[str, Any]:
+    async def first_chunk(self) -> GroupChunk:
         """Waits for the first chunk, so an error before it still gets its HTTP status."""
         try:
             return await self.stream.__anext__()
@@ -316,7 +320,7 @@ class RequestRun:
             self.end("error" if isinstance(exc, Exception) else "abort")
             raise
 
-    async def events(self, first: Dict[str, Any]) -> AsyncIterator[str]:
+    async def events(self, first: GroupChunk) -> AsyncIterator[str]:
         """The SSE stream. Starlette closes it when the client disconnects (and Serve cancels
         the replica's task): ``finally`` then cancels the group call."""
         outcome = "abort"
@@ -326,7 +330,7 @@ class RequestRun:
             for index in range(self.num_choices) if self.echo else ():
                 yield sse_event(self.fmt.delta(self._echo(index), None, index,
                                                self._usage_now()))
-            chunk: Optional[Dict[str, Any]] = first
+            chunk: Optional[GroupChunk] = first
             while chunk is not None:
                 for event in self._chunk_events(chunk):
                     yield event
@@ -343,16 +347,16 @@ class RequestRun:
         finally:
             self.end(outcome)
 
-    def _chunk_events(self, chunk: Dict[str, Any]) -> List[str]:
-        index = chunk.get("index", 0)
+    def _chunk_events(self, chunk: GroupChunk) -> List[str]:
+        index = chunk.index
         choice = self._on_chunk(chunk)
-        num_new = len(chunk["logprobs"]) if self.want_logprobs else 0
+        num_new = len(chunk.logprobs) if self.want_logprobs else 0
         new_logprobs = choice.logprobs[len(choice.logprobs) - num_new:] if num_new else None
         events = []
-        if chunk["delta_text"] or new_logprobs:
-            events.append(sse_event(self.fmt.delta(chunk["delta_text"], new_logprobs, index,
+        if chunk.delta_text or new_logprobs:
+            events.append(sse_event(self.fmt.delta(chunk.delta_text, new_logprobs, index,
                                                    self._usage_now())))
-        if chunk["finished"]:
+        if chunk.finished:
             events.append(sse_event(self.fmt.finish(choice.finish_reason, index,
                                                     self._usage_now())))
         return events

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Sequ
 import ray
 from ray import serve
 
+from cluster.contract import GroupChunk, GroupRequest
 from cluster.groups.formation import FormationConfig
 from cluster.groups.claims import compute_device
 from cluster.groups.engine import GroupEngine, RemoteGroupEngine, group_metrics_snapshot
@@ -114,15 +115,15 @@ class TPGroupServer:
             engine_config, launcher, self.group_id, claim.index)
         ray.get(self._host.health.remote())  # the engine is built: load errors raise here
 
-    async def generate(self, payload: dict, num_tokens: int = 0,
-                       block_hashes: Sequence[int] = ()) -> AsyncIterator[dict]:
+    async def generate(self, request: GroupRequest, num_tokens: int = 0,
+                       block_hashes: Sequence[int] = ()) -> AsyncIterator[GroupChunk]:
         """Stream a request's chunks (``num_tokens``/``block_hashes`` are for the router)."""
         routing_id = serve_routing_id()
         if self._host is None:
-            async for chunk in self._engine.generate(payload, routing_id):
+            async for chunk in self._engine.generate(request, routing_id):
                 yield chunk
             return
-        chunks = self._host.generate.remote(payload, routing_id)
+        chunks = self._host.generate.remote(request, routing_id)
         finished = False
         try:
             async for ref in chunks:
@@ -132,17 +133,19 @@ class TPGroupServer:
             if not finished:  # the caller went away: abort the request in the engine
                 ray.cancel(chunks)
 
-    async def _stats(self) -> Dict[str, Any]:
+    async def record_routing_stats(self) -> Dict[str, Any]:
+        """The group's `LoadReport` as the dict Serve carries to the routers."""
         if self._host is None:
-            return self._engine.stats()
-        return await self._host.stats.remote()
-
-    async def record_routing_stats(self) -> Dict:
-        return (await self._stats())["routing"]
+            report = self._engine.load_report()
+        else:
+            report = await self._host.load_report.remote()
+        return report.to_stats()
 
     async def record_autoscaling_stats(self) -> Dict[str, float]:
         """KV load for the autoscaling policy (``cluster.groups.autoscaling``)."""
-        return (await self._stats())["autoscaling"]
+        if self._host is None:
+            return self._engine.autoscaling_stats()
+        return await self._host.autoscaling_stats.remote()
 
     async def check_health(self) -> None:
         if self._host is None:

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 import ray
 
+from cluster.contract import GroupChunk, GroupRequest, LoadReport
 from cluster.groups.autoscaling import KV_USAGE_METRIC
 from cluster.groups.stream import stream_chunks
 from cluster.metrics import existing_metrics_store, get_metrics_store
@@ -52,29 +53,29 @@ class GroupEngine:
         threading.Thread(target=self._push_metrics, name="tpserve-metrics-push",
                          daemon=True).start()
 
-    async def generate(self, payload: dict, routing_id: Optional[str] = None
-                       ) -> AsyncIterator[dict]:
-        """``routing_id``: the id the router charged the request under (see ``stats``)."""
+    async def generate(self, request: GroupRequest, routing_id: Optional[str] = None
+                       ) -> AsyncIterator[GroupChunk]:
+        """``routing_id``: the id the router charged the request under (listed in the load
+        report's ``accepted_ids``)."""
         # aclosing: a cancelled call aborts the engine request now, not at garbage collection.
-        chunks = stream_chunks(self.engine, payload, routing_id=routing_id)
+        chunks = stream_chunks(self.engine, request, routing_id=routing_id)
         async with contextlib.aclosing(chunks) as chunks:
             async for chunk in chunks:
                 yield chunk
 
-    def stats(self) -> Dict[str, Any]:
-        """Routing stats for the router and KV usage for the autoscaler, from one snapshot."""
+    def load_report(self) -> LoadReport:
+        """The group's load for the router (the engine's latest snapshot)."""
         load = self.engine.load
-        return {
-            "routing": {
-                "seq": load.seq, "time": load.time, "kv_blocks_used": load.kv.num_used_blocks,
-                "kv_blocks_total": load.kv.num_blocks, "block_size": load.kv.block_size,
-                "waiting_tokens": load.num_waiting_tokens,
-                "cached_block_hashes": list(load.cached_block_hashes),
-                "accepted_ids": list(load.accepted_ids),
-                "engine_alive": self.engine.is_alive,
-            },
-            "autoscaling": {KV_USAGE_METRIC: load.kv.usage},
-        }
+        return LoadReport(
+            seq=load.seq, time=load.time, num_blocks_used=load.kv.num_used_blocks,
+            num_blocks_total=load.kv.num_blocks, block_size=load.kv.block_size,
+            num_waiting_tokens=load.num_waiting_tokens,
+            cached_block_hashes=frozenset(load.cached_block_hashes),
+            accepted_ids=frozenset(load.accepted_ids), is_engine_alive=self.engine.is_alive)
+
+    def autoscaling_stats(self) -> Dict[str, float]:
+        """KV usage for the autoscaling policy (``cluster.groups.autoscaling``)."""
+        return {KV_USAGE_METRIC: self.engine.load.kv.usage}
 
     async def health(self, rank_timeout_s: float = 5.0) -> None:
         """Raise if the engine died or a rank 1..N-1 does not answer within `rank_timeout_s`:

@@ -6,7 +6,7 @@ serving benchmark compares the KV-aware router against. Not used in production.
 * ``prefix_affinity``: Ray Serve LLM's ``PrefixCacheAffinityRouter``. As it is, it cannot route
   the group deployment: it keys its prefix tree on the text of the call's ``prompt`` or
   ``messages`` attribute (``_extract_text_from_request``), and the ingress calls
-  ``generate(payload, ...)`` with a dict of token ids (``payload["prompt_token_ids"]``), so every
+  ``generate(request, ...)`` with a `cluster.contract.GroupRequest` of token ids, so every
   decision raises ``ValueError("No request with message or prompt attribute found")``.
   `TokenPrefixAffinityRouter` changes only that extraction: one character per token id, so its
   prefix tree matches token prefixes exactly as it matches text; the policy is Serve's.
@@ -18,7 +18,7 @@ is a subclass that adds only a docstring).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 try:
     from ray.serve.llm.request_router import PrefixCacheAffinityRouter
@@ -27,6 +27,8 @@ except ImportError:  # ray[serve] without the llm extra
         PrefixCacheAffinityRouter,
     )
 from ray.serve.experimental.round_robin_router import RoundRobinRouter
+
+from cluster.contract import GroupRequest
 
 __all__ = ["RoundRobinRouter", "TokenPrefixAffinityRouter", "token_ids_as_text"]
 
@@ -43,10 +45,10 @@ def token_ids_as_text(token_ids: Any) -> str:
 
 
 class TokenPrefixAffinityRouter(PrefixCacheAffinityRouter):
-    """Serve's ``PrefixCacheAffinityRouter`` keyed on the payload's prompt token ids."""
+    """Serve's ``PrefixCacheAffinityRouter`` keyed on the request's prompt token ids."""
 
     def _extract_text_from_request(self, pending_request: Any) -> str:
         for arg in pending_request.args:
-            if isinstance(arg, Mapping) and "prompt_token_ids" in arg:
-                return token_ids_as_text(arg["prompt_token_ids"])
+            if isinstance(arg, GroupRequest):
+                return token_ids_as_text(arg.prompt_token_ids)
         return super()._extract_text_from_request(pending_request)

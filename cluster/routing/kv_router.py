@@ -1,6 +1,6 @@
 """The KV-aware Serve request router: a Ray edge around `cluster.routing.ranking.rank_groups`.
 
-    caller: handle.generate.remote(payload, num_tokens=T, block_hashes=H)
+    caller: handle.generate.remote(request, num_tokens=T, block_hashes=H)
       -> KVAwareRouter.choose_replicas: each replica's routing stats + tokens charged to it since
          -> GroupLoads (built on each replica update, patched per charge: `FleetLoads`)
          + every group's cached prefix of H in one walk (`PrefixIndex`)
@@ -17,18 +17,11 @@
 The keyword arguments reach the replica's method too, so the group deployment's ``generate``
 accepts ``num_tokens`` and ``block_hashes``. The request's blocks are counted at the router's
 block size (`RouterSettings.block_size`, the engine's), or the groups' reported one where the
-router was built without it (`_block_size`). Its ``record_routing_stats()`` returns
-
-    {"seq": int, "time": float (the group's clock, for people only), "kv_blocks_used": int,
-     "kv_blocks_total": int, "block_size": int, "waiting_tokens": int,
-     "cached_block_hashes": list[int] (the pool's, most recently used first, then those only
-     its host tier holds: a copy brings them back),
-     "accepted_ids": list[str] (Serve's internal ids of the requests accepted lately)}
-
-where ``kv_blocks_used`` and ``waiting_tokens`` cover every request in ``accepted_ids`` (also one
-still queued for the engine). The controller polls it every ``request_routing_stats_period_s``
-and pushes it to the routers when it changes, so a report is up to about two periods old when
-read.
+router was built without it (`_block_size`). Its ``record_routing_stats()`` returns a
+`cluster.contract.LoadReport` as its stats dict (``to_stats``; the router parses it with
+``from_stats``), which says what each field means. The controller polls it every
+``request_routing_stats_period_s`` and pushes it to the routers when it changes, so a report is
+up to about two periods old when read.
 
 Sent-token accounting (`cluster.routing.load_report.ReplicaLoadTracker`, one per replica): a charge is
 keyed by the request's internal id. When a report with a new ``seq`` arrives, the charges of the
@@ -42,7 +35,7 @@ router received it (a new ``seq``), and charge times are this router's. Acceptan
 through Serve's rejection protocol (on unless the caller is a Ray Client or Java): without it
 charges stay on the first choice and no reasons are counted.
 
-A replica whose report says its engine died (``"engine_alive": false``, optional) is never
+A replica whose report says its engine died (``LoadReport.is_engine_alive`` False) is never
 ranked: its health check fails within a period and Serve replaces it; when every replica is
 such, no replica is returned and Serve asks again (with its backoff) until a replacement runs.
 Replicas without a usable report (just started, or a malformed report, which is logged once)

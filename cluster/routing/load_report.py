@@ -1,15 +1,16 @@
-"""What the KV-aware router knows of one group: its routing-stats reports, parsed, plus what the
-router sent it since (`cluster.routing.kv_router` describes the report and the accounting). No Ray here:
-everything takes plain dicts and this router's clock, so it is tested on plain inputs.
+"""What the KV-aware router knows of one group: its load reports (`cluster.contract.LoadReport`,
+which says what each field means), parsed, plus what the router sent it since
+(`cluster.routing.kv_router` describes the accounting). No Ray here: everything takes the
+routing-stats dicts Serve hands over and this router's clock, so it is tested on plain inputs.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
+from cluster.contract import LoadReport
 from cluster.routing.ranking import DEFAULT_MAX_REPORT_AGE_S, GroupLoad
 from cluster.routing.prefix_index import PrefixIndex
 from cluster.routing.fleet_order import CommittedOrder, is_uniform
@@ -17,63 +18,12 @@ from kv.prefix_hash import BlockHash
 
 logger = logging.getLogger(__name__)
 
-REPORT_KEYS = (
-    "seq",
-    "time",
-    "kv_blocks_used",
-    "kv_blocks_total",
-    "block_size",
-    "waiting_tokens",
-    "cached_block_hashes",
-    "accepted_ids",
-)
 # A cached GroupLoad is rebuilt when its report age is this much out of date (or when a report or
 # a charge changes it). The age only decides staleness against limits of seconds; rebuilding all
 # loads more often would cost more than the ranking itself.
 LOAD_AGE_REFRESH_S = 0.5
 # Block hashes of routed prompts a tracker counts as cached until its TTL (a bound on memory).
 MAX_ROUTED_HASHES = 65536
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """One replica's routing stats, parsed (see the module doc for the dict)."""
-
-    seq: int
-    time: float
-    num_blocks_used: int
-    num_blocks_total: int
-    block_size: int
-    num_waiting_tokens: int
-    cached_block_hashes: FrozenSet[BlockHash]
-    accepted_ids: FrozenSet[str]
-
-
-def parse_report(stats: Mapping[str, Any]) -> LoadReport:
-    """The group deployment's routing stats as a `LoadReport`; ValueError names what is wrong."""
-    missing = [key for key in REPORT_KEYS if key not in stats]
-    if missing:
-        raise ValueError(f"routing stats lack {missing} (have {sorted(stats)})")
-    ints = ("seq", "kv_blocks_used", "kv_blocks_total", "block_size", "waiting_tokens")
-    for key in ints:
-        if not isinstance(stats[key], int):
-            raise ValueError(f"routing stats {key!r} must be an int, got {stats[key]!r}")
-    if not isinstance(stats["time"], (int, float)):
-        raise ValueError(f"routing stats 'time' must be a number, got {stats['time']!r}")
-    accepted = stats["accepted_ids"]
-    if not isinstance(accepted, (list, tuple)) or not all(isinstance(i, str) for i in accepted):
-        raise ValueError(f"routing stats 'accepted_ids' must be a list of request ids, "
-                         f"got {accepted!r:.80}")
-    return LoadReport(
-        seq=stats["seq"],
-        time=float(stats["time"]),
-        num_blocks_used=stats["kv_blocks_used"],
-        num_blocks_total=stats["kv_blocks_total"],
-        block_size=stats["block_size"],
-        num_waiting_tokens=stats["waiting_tokens"],
-        cached_block_hashes=frozenset(stats["cached_block_hashes"]),
-        accepted_ids=frozenset(accepted),
-    )
 
 
 class ReplicaLoadTracker:
@@ -130,7 +80,7 @@ class ReplicaLoadTracker:
         # Serve hands over a new dict with each update, so the same dict needs no second look.
         if stats is not self._stats:
             self._stats = stats
-            if stats and (stats.get("seq"),) != self._seen:
+            if stats and (LoadReport.seq_of(stats),) != self._seen:
                 self._take_report(stats, now)
         if self._report is None:
             return None
@@ -209,9 +159,9 @@ class ReplicaLoadTracker:
             self._changed()
 
     def _take_report(self, stats: Mapping[str, Any], now: float) -> None:
-        self._seen = (stats.get("seq"),)
+        self._seen = (LoadReport.seq_of(stats),)
         try:
-            report = parse_report(stats)
+            report = LoadReport.from_stats(stats)
             self._build_load(report, now)  # GroupLoad checks the numbers
         except (ValueError, TypeError) as e:
             # Keep the last good report, if any: it turns stale unless a good one follows.
@@ -256,7 +206,7 @@ class FleetLoads:
     replica or report update) is the same object and no report can have turned stale since it
     was built (ages only matter against ``max_report_age_s``). Replicas are anything with
     ``replica_id.unique_id`` and ``routing_stats``; a replica whose report says its engine died
-    (``"engine_alive": false``) is counted in ``num_dead`` and left out.
+    (`LoadReport.says_engine_died`) is counted in ``num_dead`` and left out.
 
     A fleet the router ranks with its C ranking (``keep_order``, and `is_uniform`) keeps its
     current committed blocks in ``kept`` (a `cluster.routing.fleet_order.CommittedOrder`) and
@@ -285,7 +235,7 @@ class FleetLoads:
         oldest = 0.0
         for replica in replicas_list:
             stats = replica.routing_stats
-            if stats and stats.get("engine_alive") is False:
+            if stats and LoadReport.says_engine_died(stats):
                 self.num_dead += 1  # its health check is about to fail: never send it a request
                 continue
             tracker = tracker_of(replica)

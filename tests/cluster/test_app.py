@@ -36,13 +36,17 @@ def test_serve_config_router_choice():
 def test_prefix_affinity_keys_on_token_ids():
     from types import SimpleNamespace
 
+    from cluster.contract import GroupRequest
     from cluster.routing.baseline_routers import TokenPrefixAffinityRouter, token_ids_as_text
+    from workers.request import RequestId
+    from workers.sampling_params import SamplingParams
 
     a, b = token_ids_as_text([5, 0xD800, 70000]), token_ids_as_text([5, 0xD800, 9])
     assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
     assert all(not 0xD800 <= ord(c) < 0xE000 for c in a)  # no lone surrogates
     router = TokenPrefixAffinityRouter.__new__(TokenPrefixAffinityRouter)  # no Serve state
-    request = SimpleNamespace(args=({"prompt_token_ids": [5, 6]},), kwargs={})
+    sent = GroupRequest(RequestId("r"), (5, 6), SamplingParams())
+    request = SimpleNamespace(args=(sent,), kwargs={})
     assert router._extract_text_from_request(request) == token_ids_as_text([5, 6])
     with pytest.raises(ValueError, match="prompt attribute"):
         router._extract_text_from_request(SimpleNamespace(args=({"x": 1},), kwargs={}))

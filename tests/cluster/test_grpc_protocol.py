@@ -24,7 +24,7 @@ def test_unset_fields_take_the_http_defaults():
     body = completion_request(pb.CompletionRequest(model="m", prompt="hi"))
     assert body.max_tokens is None and body.prompt == "hi"
     sampling = body.sampling(4)
-    assert (sampling["temperature"], sampling["top_p"], sampling["top_k"], sampling["seed"]) == \
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed) == \
         (1.0, 1.0, None, None)
     assert completion_request(pb.CompletionRequest(model="m", prompt="x", top_k=-1)).top_k is None
 
@@ -64,7 +64,7 @@ def test_chat_messages_and_options():
     body = chat_request(pb.ChatRequest(model="m", max_tokens=5, stop=["x"], ignore_eos=True,
                                        messages=[pb.ChatMessage(role="user", content="hi")]))
     assert [m.template_message() for m in body.messages] == [{"role": "user", "content": "hi"}]
-    assert body.requested_max_tokens == 5 and body.sampling(5)["stop"] == ["x"]
+    assert body.requested_max_tokens == 5 and body.sampling(5).stop == ("x",)
     assert body.ignore_eos
 
 

@@ -29,6 +29,7 @@ from cluster.proto.tpserve.v1 import tpserve_pb2 as pb  # noqa: E402
 from cluster.proto.tpserve.v1 import tpserve_pb2_grpc as pb_grpc  # noqa: E402
 from test_ingress_ray import BLOCK_SIZE, TinyGroup  # noqa: E402
 from tiny_models import hf_greedy  # noqa: E402
+from workers.sampling_params import SamplingParams  # noqa: E402
 from workers.tokenizer import load_tokenizer  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
@@ -187,17 +188,14 @@ def test_sampling_fields_reach_the_group_as_over_http(server, stub, group):
                    top_p=0.9, top_k=20, seed=1, stop=["zz"], stop_token_ids=[3], min_p=0.05,
                    repetition_penalty=1.2, min_tokens=2)
     calls = group.state.remote().result()["calls"]
-    sampling = next(c for c in calls if c["request_id"] == out.id)["payload"]["sampling"]
-    assert sampling == {
-        "max_tokens": 7, "temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 1,
-        "stop": ["zz"], "stop_token_ids": [3], "ignore_eos": False, "logprobs": None,
-        "min_p": 0.05, "n": 1, "include_stop_str_in_output": False, "min_tokens": 2,
-        "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.2,
-        "logit_bias": {}}
+    sampling = next(c for c in calls if c["request_id"] == out.id)["request"].sampling
+    assert sampling == SamplingParams(
+        max_tokens=7, temperature=0.8, top_p=0.9, top_k=20, seed=1, stop=("zz",),
+        stop_token_ids=(3,), min_p=0.05, min_tokens=2, repetition_penalty=1.2)
     default = complete(stub, prompt="hi", max_tokens=2)
     sampling = next(c for c in group.state.remote().result()["calls"]
-                    if c["request_id"] == default.id)["payload"]["sampling"]
-    assert (sampling["temperature"], sampling["top_p"], sampling["top_k"]) == (1.0, 1.0, None)
+                    if c["request_id"] == default.id)["request"].sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k) == (1.0, 1.0, None)
 
 
 # (gRPC request fields, the same request over HTTP)

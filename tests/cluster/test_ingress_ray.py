@@ -23,6 +23,7 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from ray import cloudpickle, serve  # noqa: E402
 
+from cluster.contract import GroupRequest  # noqa: E402
 from cluster.groups.stream import stream_chunks  # noqa: E402
 from cluster.api.ingress import HEALTH_MAX_REPORT_AGE_S, build_ingress  # noqa: E402
 from cluster.metrics import get_metrics_store  # noqa: E402
@@ -33,6 +34,7 @@ from tiny_models import hf_greedy  # noqa: E402
 from workers.async_engine import AsyncLLMEngine, EngineDeadError  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
+from workers.sampling_params import SamplingParams  # noqa: E402
 from workers.tokenizer import load_tokenizer  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
@@ -64,16 +66,16 @@ class TinyGroup:
         self.num_chunks: dict = {}
         self.failure = None
 
-    async def generate(self, payload: dict, num_tokens: int = 0, block_hashes=()):
-        rid = payload["request_id"]
+    async def generate(self, request: GroupRequest, num_tokens: int = 0, block_hashes=()):
+        rid = request.request_id
         self.calls.append({"request_id": rid, "num_tokens": num_tokens,
-                           "block_hashes": list(block_hashes), "payload": payload})
+                           "block_hashes": list(block_hashes), "request": request})
         if self.failure == "before":
             raise EngineDeadError("engine failed: rank 1 died")
         if self.failure == "bug":
             raise RuntimeError("secret internal detail")
         try:
-            async for chunk in stream_chunks(self.engine, payload):
+            async for chunk in stream_chunks(self.engine, request):
                 self.num_chunks[rid] = self.num_chunks.get(rid, 0) + 1
                 yield chunk
                 if self.failure == "during":
@@ -255,12 +257,9 @@ def test_the_group_gets_the_token_count_and_block_hashes(client, group):
                 if c["request_id"] == out.id)
     assert call["num_tokens"] == 13 + 7
     assert call["block_hashes"] == extend_block_hashes([], ids, BLOCK_SIZE)
-    assert call["payload"]["sampling"] == {
-        "max_tokens": 7, "temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 1,
-        "stop": ["zz"], "stop_token_ids": [], "ignore_eos": False, "logprobs": None,
-        "min_p": 0.0, "n": 1, "include_stop_str_in_output": False, "min_tokens": 0,
-        "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-        "logit_bias": {}}
+    assert call["request"].sampling == SamplingParams(
+        max_tokens=7, temperature=0.8, top_p=0.9, top_k=20, seed=1, stop=("zz",))
+    assert call["request"].prompt_token_ids == tuple(ids)
 
 
 @pytest.mark.parametrize("kwargs,words", [

@@ -34,26 +34,22 @@ from cluster.routing.kv_router import (  # noqa: E402
     live_routers,
 )
 from cluster.app import kv_aware_router_config  # noqa: E402
-from cluster.routing.load_report import ReplicaLoadTracker, parse_report  # noqa: E402
+from cluster.contract import LoadReport  # noqa: E402
+from cluster.routing.load_report import ReplicaLoadTracker  # noqa: E402
 from cluster.groups.deployment import serve_routing_id  # noqa: E402
 from cluster.routing.ranking import PlacementReason, RequestDemand  # noqa: E402
 
 DEPLOYMENT = DeploymentID(name="group", app_name="test")
 
 
-def stats(seq: int, used: int, total: int = 100, *, at: Optional[float] = None, **extra) -> dict:
-    report = {
-        "seq": seq,
-        "time": time.time() if at is None else at,
-        "kv_blocks_used": used,
-        "kv_blocks_total": total,
-        "block_size": 16,
-        "waiting_tokens": 0,
-        "cached_block_hashes": [],
-        "accepted_ids": [],
-    }
-    report.update(extra)
-    return report
+def stats(seq: int, used: int, total: int = 100, *, at: Optional[float] = None,
+          cached_block_hashes=(), accepted_ids=(), is_engine_alive: bool = True) -> dict:
+    """A group's routing stats as Serve hands them to the router."""
+    return LoadReport(seq=seq, time=time.time() if at is None else at, num_blocks_used=used,
+                      num_blocks_total=total, block_size=16, num_waiting_tokens=0,
+                      cached_block_hashes=frozenset(cached_block_hashes),
+                      accepted_ids=frozenset(accepted_ids),
+                      is_engine_alive=is_engine_alive).to_stats()
 
 
 class StandInReplica:
@@ -248,9 +244,9 @@ def test_a_stale_replica_ranks_last(router):
 
 def test_report_and_config_validation():
     with pytest.raises(ValueError, match="lack"):
-        parse_report({"seq": 1})
+        LoadReport.from_stats({"seq": 1})
     with pytest.raises(ValueError, match="'kv_blocks_total' must be an int"):
-        parse_report(stats(1, 0, kv_blocks_total="100"))
+        LoadReport.from_stats({**stats(1, 0), "kv_blocks_total": "100"})
     with pytest.raises(ValueError, match="target_occupancy"):
         kv_aware_router_config(target_occupancy=1.5)
     config = kv_aware_router_config(stats_period_s=0.2)
@@ -329,16 +325,10 @@ class StandInGroup:
 
     def record_routing_stats(self) -> dict:
         self.seq += 1
-        return {
-            "seq": self.seq,
-            "time": time.time(),
-            "kv_blocks_used": self.num_blocks_used,
-            "kv_blocks_total": NUM_BLOCKS,
-            "block_size": BLOCK_SIZE,
-            "waiting_tokens": 0,
-            "cached_block_hashes": self.cached,
-            "accepted_ids": self.accepted[-1000:],
-        }
+        return LoadReport(seq=self.seq, time=time.time(), num_blocks_used=self.num_blocks_used,
+                          num_blocks_total=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                          num_waiting_tokens=0, cached_block_hashes=frozenset(self.cached),
+                          accepted_ids=frozenset(self.accepted[-1000:])).to_stats()
 
 
 @pytest.fixture(scope="module")
@@ -396,7 +386,7 @@ def test_requests_avoid_the_replica_above_target(serve_app):
 
 
 def test_replicas_whose_engine_died_are_never_ranked(router):
-    dead = StandInReplica("dead", stats(1, 0, engine_alive=False))
+    dead = StandInReplica("dead", stats(1, 0, is_engine_alive=False))
     busy = StandInReplica("busy", stats(1, 90))
     assert choose(router, [dead, busy], request("r1", num_tokens=16)) == [["busy"]]
     # Every engine dead: no replica, and Serve must back off before asking again (else its

@@ -23,6 +23,7 @@ psutil = pytest.importorskip("psutil")
 from ray import cloudpickle, serve  # noqa: E402
 from ray.serve.config import BackpressureConfig  # noqa: E402
 
+from cluster.contract import GroupRequest  # noqa: E402
 from cluster.groups.stream import stream_chunks  # noqa: E402
 from cluster.api.ingress import build_ingress  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
@@ -58,10 +59,10 @@ class OneSlotGroup:
             model=model_dir, block_size=4, num_kv_blocks=128)))
         self.failure = None
 
-    async def generate(self, payload: dict, num_tokens: int = 0, block_hashes=()):
+    async def generate(self, request: GroupRequest, num_tokens: int = 0, block_hashes=()):
         if self.failure:
             raise EngineDeadError("engine failed: rank 1 died")
-        async for chunk in stream_chunks(self.engine, payload):
+        async for chunk in stream_chunks(self.engine, request):
             yield chunk
 
     def configure(self, step_delay_s: float = 0.0, failure=None) -> None:

@@ -7,13 +7,19 @@ import pytest
 
 from cluster.api.request_run import MergedStreams
 from cluster.api.protocol import ProtocolError
+from cluster.contract import GroupChunk
+
+
+def chunk(index, tag):
+    """A chunk of choice ``index``, told apart by its one token, ``tag``."""
+    return GroupChunk("r", (tag,), "", False, None, 1, 1, index=index)
 
 
 class ChunkStream:
     """Chunks after given delays, the shape a GroupStream has (``finished``, ``cancel``)."""
 
     def __init__(self, delays, num_choices=1, fail_after=None):
-        self.chunks = [(d, {"index": k % num_choices, "tag": k}) for k, d in enumerate(delays)]
+        self.chunks = [(d, chunk(k % num_choices, k)) for k, d in enumerate(delays)]
         self.fail_after = fail_after
         self.finished = False
         self.cancelled = False
@@ -26,10 +32,10 @@ class ChunkStream:
             await asyncio.sleep(self.fail_after)
             self.finished = True
             raise ProtocolError("the TP group failed", 503)
-        delay, chunk = self.chunks.pop(0)
+        delay, next_chunk = self.chunks.pop(0)
         await asyncio.sleep(delay)
         self.finished = not self.chunks and self.fail_after is None
-        return chunk
+        return next_chunk
 
     def cancel(self):
         self.finished = self.cancelled = True
@@ -44,7 +50,7 @@ def collect(merged):
 def test_chunks_come_as_they_arrive_with_each_streams_choices_shifted():
     streams = [ChunkStream([0.03, 0.03], num_choices=2), ChunkStream([0.0, 0.05], num_choices=2)]
     merged = MergedStreams(streams, num_choices=2)
-    got = [(c["index"], c["tag"]) for c in collect(merged)]
+    got = [(c.index, c.new_token_ids[0]) for c in collect(merged)]
     # stream 1's first chunk (no delay) comes first; its choices are 2 and 3
     assert got[0] == (2, 0) and sorted(got) == [(0, 0), (1, 1), (2, 0), (3, 1)]
     assert merged.finished
@@ -79,5 +85,5 @@ def test_a_last_chunk_that_came_while_the_reader_was_away_is_still_read():
             got.append(await merged.__anext__())
         return got
 
-    assert sorted(chunk["index"] for chunk in asyncio.run(run())) == [0, 1]
+    assert sorted(c.index for c in asyncio.run(run())) == [0, 1]
     assert merged.finished

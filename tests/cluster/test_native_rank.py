@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cluster.contract import LoadReport
 from cluster.routing import native_rank
 from cluster.routing.load_report import FleetLoads, ReplicaLoadTracker
 from cluster.routing.fleet_order import UniformRanking
@@ -42,9 +43,9 @@ class Replica:
 
 
 def report(used: int, total: int, cached, waiting: int = 0) -> dict:
-    return {"seq": 1, "time": 0.0, "kv_blocks_used": used, "kv_blocks_total": total,
-            "block_size": BS, "waiting_tokens": waiting, "cached_block_hashes": list(cached),
-            "accepted_ids": []}
+    return LoadReport(seq=1, time=0.0, num_blocks_used=used, num_blocks_total=total,
+                      block_size=BS, num_waiting_tokens=waiting,
+                      cached_block_hashes=frozenset(cached), accepted_ids=frozenset()).to_stats()
 
 
 def build_fleet(groups, index: PrefixIndex, extra_groups: int = 0):

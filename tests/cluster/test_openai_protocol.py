@@ -22,6 +22,8 @@ from cluster.api.protocol import (
     token_logprobs,
 )
 from cluster.api.openai_requests import ChatCompletionRequest, CompletionRequest, ignored_fields
+from workers.sampler import SampledToken
+from workers.sampling_params import SamplingParams
 
 
 def completion(**fields):
@@ -96,8 +98,8 @@ def test_unsupported_or_mistyped_fields(fields, param, words):
 @pytest.mark.parametrize("build", [completion, chat])
 def test_stop_takes_at_most_four_strings_of_bounded_length(build):
     """As OpenAI: up to 4 stop strings; together at most 1024 characters."""
-    assert build(stop=["a", "b", "c", "d" * 1021]).sampling(1)["stop"] == \
-        ["a", "b", "c", "d" * 1021]
+    assert build(stop=["a", "b", "c", "d" * 1021]).sampling(1).stop == (
+        "a", "b", "c", "d" * 1021)
     err = refused(build, stop=["a", "b", "c", "d", "e"])
     assert err.param == "stop" and "at most 4 stop strings, got 5" in err.message, err.message
     for stop in ("x" * 1025, ["a", "x" * 1024]):
@@ -127,25 +129,22 @@ def test_missing_model_and_invalid_json():
         parse_request(b"[1, 2]", CompletionRequest)
 
 
-def test_sampling_dict_defaults_and_extensions():
+def test_sampling_defaults_and_extensions():
     req = completion(stop="\n", top_k=5, ignore_eos=True, seed=3, logprobs=2,
                      stop_token_ids=[9])
-    assert req.sampling(10) == {
-        "max_tokens": 10, "temperature": 1.0, "top_p": 1.0, "top_k": 5, "seed": 3,
-        "stop": ["\n"], "stop_token_ids": [9], "ignore_eos": True, "logprobs": 2,
-        "min_p": 0.0, "n": 1, "include_stop_str_in_output": False, "min_tokens": 0,
-        "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-        "logit_bias": {}}
-    assert completion(temperature=0, top_p=0.5).sampling(4)["temperature"] == 0.0
+    assert req.sampling(10) == SamplingParams(
+        max_tokens=10, temperature=1.0, top_p=1.0, top_k=5, seed=3, stop=("\n",),
+        stop_token_ids=(9,), ignore_eos=True, logprobs=2)
+    assert completion(temperature=0, top_p=0.5).sampling(4).temperature == 0.0
 
 
 def test_chat_fields():
     req = chat(max_tokens=5, max_completion_tokens=7, logprobs=True, top_logprobs=3,
                stream=True, stream_options={"include_usage": True})
     assert req.requested_max_tokens == 7 and req.max_tokens_param == "max_completion_tokens"
-    assert req.sampling(7)["logprobs"] == 3 and req.include_usage
-    assert chat(logprobs=True).sampling(1)["logprobs"] == 0
-    assert chat().sampling(1)["logprobs"] is None
+    assert req.sampling(7).logprobs == 3 and req.include_usage
+    assert chat(logprobs=True).sampling(1).logprobs == 0
+    assert chat().sampling(1).logprobs is None
     assert not chat(stream_options={"include_usage": True}).include_usage  # stream is off
     with pytest.raises(ProtocolError, match="top_logprobs requires logprobs"):
         chat(top_logprobs=2).sampling(1)
@@ -247,9 +246,8 @@ def test_chat_response_and_stream_shape():
 
 
 def test_logprobs_shapes():
-    entries = token_logprobs([{"token_id": 7, "logprob": -0.5, "top_logprobs": [[7, -0.5],
-                                                                                 [8, -1.5]]},
-                              {"token_id": 9, "logprob": -0.1, "top_logprobs": []}],
+    entries = token_logprobs([SampledToken(7, -0.5, ((7, -0.5), (8, -1.5))),
+                              SampledToken(9, -0.1)],
                              lambda i: {7: "ab", 8: "x", 9: "c"}[i])
     assert entries == [TokenLogprob("ab", -0.5, (("ab", -0.5), ("x", -1.5))),
                        TokenLogprob("c", -0.1)]
@@ -314,10 +312,10 @@ def test_implemented_parameters_reach_the_engine():
     s = completion(min_p=0.1, repetition_penalty=1.3, presence_penalty=0.5,
                    frequency_penalty=-0.5, logit_bias={"5": 2.0}, min_tokens=2,
                    include_stop_str_in_output=True, n=3, top_k=-1).sampling(8)
-    assert s["min_p"] == 0.1 and s["repetition_penalty"] == 1.3
-    assert s["presence_penalty"] == 0.5 and s["frequency_penalty"] == -0.5
-    assert s["logit_bias"] == {5: 2.0} and s["min_tokens"] == 2 and s["n"] == 3
-    assert s["include_stop_str_in_output"] is True and s["top_k"] is None  # vLLM's -1: off
+    assert s.min_p == 0.1 and s.repetition_penalty == 1.3
+    assert s.presence_penalty == 0.5 and s.frequency_penalty == -0.5
+    assert s.logit_bias == {5: 2.0} and s.min_tokens == 2 and s.n == 3
+    assert s.include_stop_str_in_output is True and s.top_k is None  # vLLM's -1: off
     c = chat(chat_template_kwargs={"enable_thinking": False}, add_generation_prompt=False)
     assert c.chat_template_kwargs == {"enable_thinking": False}
     assert c.add_generation_prompt is False

@@ -9,6 +9,7 @@ from typing import Dict, Sequence, Set
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cluster.contract import LoadReport
 from cluster.routing.load_report import ReplicaLoadTracker
 from cluster.routing.ranking import GroupLoad, RequestDemand, rank_groups
 from cluster.routing.prefix_index import PrefixIndex
@@ -76,9 +77,9 @@ def test_discard_and_removed_groups_leave_no_trace_and_bits_are_reused():
 
 
 def report(seq: int, cached: Sequence[int]) -> dict:
-    return {"seq": seq, "time": 0.0, "kv_blocks_used": 0, "kv_blocks_total": 100,
-            "block_size": 16, "waiting_tokens": 0, "cached_block_hashes": list(cached),
-            "accepted_ids": []}
+    return LoadReport(seq=seq, time=0.0, num_blocks_used=0, num_blocks_total=100, block_size=16,
+                      num_waiting_tokens=0, cached_block_hashes=frozenset(cached),
+                      accepted_ids=frozenset()).to_stats()
 
 
 def test_trackers_keep_the_index_equal_to_what_they_count_as_cached():

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from cluster.api.admission import IngressAdmission, group_max_ongoing_requests
 from cluster.app import ServeConfig, request_limits
 from cluster.api.protocol import ProtocolError
+from cluster.contract import GroupChunk
 from cluster.api.request_limits import (
     MIB,
     DeadlineStream,
@@ -114,7 +115,7 @@ class _SlowStream:
 
     async def __anext__(self):
         await asyncio.sleep(self.delay_s)
-        return {"finished": False}
+        return GroupChunk("r", (1,), "a", False, None, 1, 1)
 
     def cancel(self):
         self.num_cancels += 1

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from bench_scripts import load_script, run_script
+from cluster.contract import LoadReport
 
 
 def test_times_both_routers_hot_and_cold_and_ends_with_json():
@@ -44,18 +46,19 @@ def test_the_kv_router_places_by_prefix_in_the_timed_fleet():
     convs = bench.conversations(rng)
     replicas = bench.fleet(4, convs, rng)
     for replica in replicas:  # equal loads: the cached prefix decides
-        replica.routing_stats["kv_blocks_used"] = 100
+        report = LoadReport.from_stats(replica.routing_stats)
+        replica.routing_stats = dataclasses.replace(report, num_blocks_used=100).to_stats()
     loop = asyncio.new_event_loop()
     try:
         router = bench.make_router("kv", replicas, loop)
         holder = replicas[2]
-        cached = set(holder.routing_stats["cached_block_hashes"])
+        cached = LoadReport.from_stats(holder.routing_stats).cached_block_hashes
         conv = next(c for c in convs if c[bench.SYSTEM_BLOCKS] in cached)
         length = next(i for i, h in enumerate(conv) if h not in cached)
         request = bench.PendingRequest("r", {"num_tokens": 100, "block_size": bench.BLOCK_SIZE,
                                              "block_hashes": conv[:length]})
         ranks, elapsed = bench.decide(router, replicas, request, loop)
-        best = ranks[0][0].routing_stats["cached_block_hashes"]
+        best = LoadReport.from_stats(ranks[0][0].routing_stats).cached_block_hashes
         assert all(h in best for h in conv[:length]) and elapsed > 0
     finally:
         loop.close()

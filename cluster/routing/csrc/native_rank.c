@@ -190,7 +190,7 @@ static Key key_of(const State *s, long i, long held, long num_blocks, double per
     key.tier = key.occupancy > s->target && !history;
     if (key.tier)  /* over the target: the load's share of the whole pool */
         per_occupancy = s->load_weight / FULL_OCCUPANCY;
-    /* rank_uniform's expression, term for term */
+    /* rank_groups' _score expression, term for term */
     key.score = per_occupancy * key.occupancy + 0.0 - per_block * (double)held
                 - s->load_weight - 0.0;
     return key;
