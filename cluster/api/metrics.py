@@ -146,7 +146,7 @@ class IngressMetrics:
                 failures.add_metric([self.model_name, cause], n)
             families.append(failures)
         decisions = CounterMetricFamily(PREFIX + "router_decisions",
-                                        "Placement decisions by reason", labels=["reason"])
+                                        "RankedGroup decisions by reason", labels=["reason"])
         for reason, n in sorted(router_counts.items()):
             decisions.add_metric([reason], n)
         families.append(decisions)

@@ -1,6 +1,6 @@
 """What the KV-aware router decided for a request, kept until a replica accepts it, and the
 labels of the decisions that did not rank (metric labels of ``tpserve:router_decisions`` beside
-`cluster.routing.ranking.PlacementReason`'s values)."""
+`cluster.routing.ranking.RankReason`'s values)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Tuple
 from ray.serve.request_router import ReplicaID
 
 from cluster.routing.fleet_order import UniformRanking
-from cluster.routing.ranking import Placement
+from cluster.routing.ranking import RankedGroup
 from kv.prefix_hash import BlockHash
 
 FALLBACK_NO_NUM_TOKENS = "fallback_no_num_tokens"  # no num_tokens kwarg: not a generation call
@@ -25,7 +25,7 @@ class PendingDecision:
     """What choose_replicas decided for a request, kept until a replica accepts it."""
 
     num_tokens: int
-    placements: Optional[Sequence[Placement]]  # None: fallback (reason below)
+    ranked: Optional[Sequence[RankedGroup]]  # None: fallback (reason below)
     fallback_reason: str = NO_REPORT
     charged: Optional[ReplicaID] = None  # the replica charged for it on the decision
     block_hashes: Tuple[BlockHash, ...] = ()  # its prompt's, noted where it is accepted
@@ -39,17 +39,17 @@ class PendingDecision:
 
     def cached_on(self, group_id: str) -> int:
         """The request's leading blocks ``group_id`` holds, as ranked (0 where not ranked)."""
-        placements = self.placements
-        if isinstance(placements, UniformRanking):
-            return placements.cached_blocks_of(group_id)
-        return next((p.cached_prefix_blocks or 0 for p in placements or ()
+        ranked = self.ranked
+        if isinstance(ranked, UniformRanking):
+            return ranked.cached_blocks_of(group_id)
+        return next((p.cached_prefix_blocks or 0 for p in ranked or ()
                      if p.group_id == group_id), 0)
 
     def longest_cached(self) -> Tuple[int, str]:
         """The most leading request blocks any ranked group holds, and that group's reason
         (the first such in rank order; (0, "") without a ranking)."""
-        placements = self.placements
-        if isinstance(placements, UniformRanking):
-            return placements.longest_cached()
-        best = max(placements or (), key=lambda p: p.cached_prefix_blocks or 0, default=None)
+        ranked = self.ranked
+        if isinstance(ranked, UniformRanking):
+            return ranked.longest_cached()
+        best = max(ranked or (), key=lambda p: p.cached_prefix_blocks or 0, default=None)
         return (best.cached_prefix_blocks or 0, best.reason.value) if best else (0, "")

@@ -7,7 +7,7 @@ the groups holding the same number of the request's blocks, so the groups' order
 blocks, then group id, does not depend on the request: `CommittedOrder` keeps it between
 decisions, moved one group at a time as charges change it, and the C ranking only places the few
 groups holding more than the base prefix into it. `UniformRanking` is that ranking as
-`rank_groups` would return it, a `Placement` made for each position read.
+`rank_groups` would return it, a `RankedGroup` made for each position read.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from bisect import bisect_left, insort
 from operator import attrgetter
 from typing import Dict, Iterator, List, Sequence, Tuple
 
-from cluster.routing.ranking import FULL_OCCUPANCY, GroupLoad, Placement, reason_of
+from cluster.routing.ranking import FULL_OCCUPANCY, GroupLoad, RankedGroup, reason_of
 
 _TOTAL = attrgetter("num_blocks_total")
 _BLOCK_SIZE = attrgetter("block_size")
@@ -51,9 +51,9 @@ class CommittedOrder:
         insort(order, i, key=keys.__getitem__)
 
 
-class UniformRanking(Sequence[Placement]):
+class UniformRanking(Sequence[RankedGroup]):
     """``rank_groups``' result for a uniform fleet: ``order[k]`` is the index (into the loads) of
-    the group ranked k-th, and item k its `Placement`, made when read."""
+    the group ranked k-th, and item k its `RankedGroup`, made when read."""
 
     __slots__ = ("order", "_loads", "_committed", "_prefix", "_base", "_num_blocks", "_total",
                  "_target")
@@ -72,7 +72,7 @@ class UniformRanking(Sequence[Placement]):
             return [self._placement(i) for i in self.order[k]]
         return self._placement(self.order[k])
 
-    def __iter__(self) -> Iterator[Placement]:
+    def __iter__(self) -> Iterator[RankedGroup]:
         return map(self._placement, self.order)
 
     def cached_blocks_of(self, group_id: str) -> int:
@@ -94,7 +94,7 @@ class UniformRanking(Sequence[Placement]):
 
     def tied_with_first(self) -> int:
         """`cluster.routing.ranking.tied_with_first` of this ranking, read from the committed blocks
-        and prefixes (equal in both: equal keys) rather than from a Placement per group."""
+        and prefixes (equal in both: equal keys) rather than from a RankedGroup per group."""
         order, committed, prefix, base = self.order, self._committed, self._prefix, self._base
         if not order:
             return 0
@@ -106,11 +106,11 @@ class UniformRanking(Sequence[Placement]):
             count += 1
         return count
 
-    def _placement(self, i: int) -> Placement:
+    def _placement(self, i: int) -> RankedGroup:
         prefix = self._prefix.get(i, self._base)
         occupancy = (self._committed[i] + self._num_blocks - prefix) / self._total
         tier = 2 if occupancy > FULL_OCCUPANCY else 0
-        return Placement(self._loads[i].group_id, reason_of(tier, occupancy, self._target, prefix),
+        return RankedGroup(self._loads[i].group_id, reason_of(tier, occupancy, self._target, prefix),
                          occupancy, prefix)
 
 

@@ -43,7 +43,7 @@ rank last, together, so Serve picks among them by queue length: a new group gets
 reports, or when every reported group is full. When no replica has a report (right after
 start-up), or for calls without ``num_tokens`` (anything but generation), the router falls back
 to Serve's power of two choices. Every routed request counts one reason in `decision_counts()`: a
-`PlacementReason` value or one of the ``FALLBACK_*`` / `NO_REPORT` labels below, and
+`RankReason` value or one of the ``FALLBACK_*`` / `NO_REPORT` labels below, and
 `prefix_given_up()` counts the decisions that went to a group holding fewer of the request's
 blocks than another did (a history recomputed elsewhere), with the blocks so given up.
 
@@ -80,7 +80,7 @@ from ray.serve.request_router import (
 from cluster.routing import native_rank
 from cluster.routing.load_report import FleetLoads, ReplicaLoadTracker
 from cluster.metrics import register_router_decisions
-from cluster.routing.ranking import GroupLoad, Placement, RequestDemand, rank_groups, tied_with_first
+from cluster.routing.ranking import GroupLoad, RankedGroup, RequestDemand, rank_groups, tied_with_first
 from cluster.routing.decision import (  # the labels are tpserve:router_decisions' too
     FALLBACK_BAD_DEMAND,
     FALLBACK_NO_NUM_TOKENS,
@@ -122,7 +122,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """Places each generation request on the TP group with room for it (see the module doc).
 
     Not FIFOMixin on purpose: with it Serve hands a replica chosen for one request to the oldest
-    waiting one, which would undo a per-request placement.
+    waiting one, which would undo a per-request decision.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -163,7 +163,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         return self._deployment_id.name
 
     def decision_counts(self) -> Dict[str, int]:
-        """Routed requests by reason (a `PlacementReason` value or a ``FALLBACK_*`` label)."""
+        """Routed requests by reason (a `RankReason` value or a ``FALLBACK_*`` label)."""
         with self._stats_lock:
             return dict(self._decision_counts)
 
@@ -182,7 +182,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         return {load.group_id: load for load in loads if load is not None}
 
     def decision_times_us(self) -> List[float]:
-        """The latest placement decision times in microseconds (KV-aware decisions only)."""
+        """The latest routing decision times in microseconds (KV-aware decisions only)."""
         with self._stats_lock:
             return list(self._decision_times_us)
 
@@ -214,7 +214,7 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self._remember(request_id, decision)
             return await self._power_of_two(candidate_replicas, pending_request)
         if len(ranks) > 1:
-            self._break_ties(ranks, decision.placements)
+            self._break_ties(ranks, decision.ranked)
         # Charge the first choice now, not when it accepts: the routing tasks of a burst run
         # before any acceptance comes back, and must see each other's requests.
         charged = decision.charged = ranks[0][0].replica_id
@@ -233,14 +233,14 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         return ranks
 
     def _break_ties(self, ranks: List[List[RunningReplica]],
-                    placements: Optional[Sequence[Placement]]) -> None:
+                    ranked: Optional[Sequence[RankedGroup]]) -> None:
         """Orders the groups ranked first that tie on every key but the group id by the tokens
         each accepted so far, fewest first (`cluster.routing.ranking` says why), in place. Tied groups
         hold the same prefix, so what the request adds to each (``first_tokens``) is the same."""
-        if isinstance(placements, UniformRanking):
-            lead = placements.tied_with_first()
+        if isinstance(ranked, UniformRanking):
+            lead = ranked.tied_with_first()
         else:
-            lead = tied_with_first(placements or ())
+            lead = tied_with_first(ranked or ())
         if lead > 1:
             trackers = self._trackers
             ranks[:lead] = sorted(ranks[:lead], key=lambda rank: trackers[
@@ -264,11 +264,11 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             except (TypeError, ValueError, OverflowError):
                 pass  # a demand it refuses: the Python path below says why
             else:
-                placements = UniformRanking(order, fleet.loads, committed, prefix, base,
+                ranked = UniformRanking(order, fleet.loads, committed, prefix, base,
                                             num_blocks, self._settings.target_occupancy)
                 if fleet.unreported:
                     ranks.append(list(fleet.unreported))
-                return ranks, PendingDecision(num_tokens, placements, NO_REPORT, None, hashes,
+                return ranks, PendingDecision(num_tokens, ranked, NO_REPORT, None, hashes,
                                                block_size, first_tokens)
         loads, by_group, unreported = fleet.loads, fleet.by_group, fleet.unreported
         if not loads and not unreported and fleet.num_dead:
@@ -286,14 +286,14 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 logger.warning("routing by power of two choices: bad request demand: %s", e)
             return None, PendingDecision(0, None, FALLBACK_BAD_DEMAND)
         settings = self._settings
-        placements = rank_groups(
+        ranked = rank_groups(
             demand, loads, settings.target_occupancy, settings.max_report_age_s,
             settings.prefix_weight, settings.load_weight,
             self._prefix_index.prefix_blocks(demand.block_hashes))
-        ranks = [[by_group[placement.group_id]] for placement in placements]
+        ranks = [[by_group[group.group_id]] for group in ranked]
         if unreported:
             ranks.append(list(unreported))  # a copy: the kept loads must not change with it
-        return ranks, PendingDecision(demand.num_tokens, placements,
+        return ranks, PendingDecision(demand.num_tokens, ranked,
                                        block_hashes=demand.block_hashes,
                                        block_size=demand.block_size or 1)
 
@@ -337,12 +337,12 @@ class KVAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         decision = self._pending.pop(request_id, None)
         if decision is None:
             return
-        if decision.placements is None:
+        if decision.ranked is None:
             reason = decision.fallback_reason
         else:
             group_id = replica_id.unique_id
             reason = next(
-                (p.reason.value for p in decision.placements if p.group_id == group_id),
+                (p.reason.value for p in decision.ranked if p.group_id == group_id),
                 NO_REPORT,
             )
         self._release(decision, request_id)

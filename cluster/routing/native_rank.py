@@ -1,7 +1,7 @@
 """The router's ranking of a uniform fleet (`cluster.routing.fleet_order`) in one C call
 (``cluster/routing/csrc/native_rank.c``): the prefix walk of
 `cluster.routing.prefix_index.PrefixIndex` and a fast path of the one policy,
-`cluster.routing.ranking.rank_groups`, with the same result, Placement for Placement (checked on
+`cluster.routing.ranking.rank_groups`, with the same result, group for group (checked on
 generated fleets: tests/cluster/test_native_rank.py).
 
     module = load()                        # None where it cannot be loaded (logged once)

@@ -1,7 +1,7 @@
 """Where a request goes: the one ranking policy of the KV-aware router.
 
     rank_groups(demand, loads, target_occupancy=0.70, prefix_weight=3, load_weight=2)
-        -> [Placement, ...]   best group first
+        -> [RankedGroup, ...]   best group first
 
 Data in, decision out: no Ray, no clock, no I/O. The router (`cluster.routing.kv_router`) only
 turns Serve's routing stats into `GroupLoad`s and the ranking back into replicas; its compiled
@@ -175,7 +175,7 @@ class RequestDemand:
             raise ValueError(f"RequestDemand.block_size must be positive, got {self.block_size}")
 
 
-class PlacementReason(str, enum.Enum):
+class RankReason(str, enum.Enum):
     """Why a group holds its rank; the values are metric labels."""
 
     UNDER_TARGET_PREFIX = "under_target_prefix"  # fits under target and has part of the prefix
@@ -186,7 +186,7 @@ class PlacementReason(str, enum.Enum):
     STALE_REPORT = "stale_report"  # its report is too old to trust
 
 
-class Placement(NamedTuple):
+class RankedGroup(NamedTuple):
     """One ranked group. A tuple, not a dataclass: 64 of them per decision must stay cheap.
 
     ``cached_prefix_blocks`` is counted for fresh groups only (None for a stale one: its report
@@ -194,7 +194,7 @@ class Placement(NamedTuple):
     """
 
     group_id: str
-    reason: PlacementReason
+    reason: RankReason
     projected_occupancy: float
     cached_prefix_blocks: Optional[int]
 
@@ -206,15 +206,15 @@ def is_history(held: int, base: int, num_blocks: int) -> bool:
     return 2 * (held - base) > num_blocks - base
 
 
-def tied_with_first(placements: Sequence[Placement]) -> int:
-    """How many of the leading ``placements`` tie with the first: the same reason, projected
+def tied_with_first(ranked: Sequence[RankedGroup]) -> int:
+    """How many of the leading ``ranked`` tie with the first: the same reason, projected
     occupancy and cached prefix blocks, so that ``rank_groups`` ordered them by group id alone
-    (0 for no placements). Reads placements until the first that differs."""
-    if not placements:
+    (0 for no ranked). Reads ranked until the first that differs."""
+    if not ranked:
         return 0
-    first = placements[0][1:]
+    first = ranked[0][1:]
     count = 1
-    while count < len(placements) and placements[count][1:] == first:
+    while count < len(ranked) and ranked[count][1:] == first:
         count += 1
     return count
 
@@ -232,7 +232,7 @@ def check_policy(target_occupancy: float, max_report_age_s: float, prefix_weight
 
 
 def reason_of(tier: int, occupancy: float, target_occupancy: float,
-              prefix: Optional[int]) -> PlacementReason:
+              prefix: Optional[int]) -> RankReason:
     """The reason a group ranked in ``tier`` (0-3, the policy's items 1-4) gives: a history's
     group over the target ranks with those under it but says where it is."""
     return _REASONS[tier or occupancy > target_occupancy][bool(prefix)]
@@ -246,7 +246,7 @@ def rank_groups(
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
     load_weight: float = DEFAULT_LOAD_WEIGHT,
     cached_prefix: Optional[Mapping[str, int]] = None,
-) -> List[Placement]:
+) -> List[RankedGroup]:
     """Every group in ``loads``, best first, by the policy in this module's docstring.
 
     A group is under target when its projected occupancy is <= ``target_occupancy`` (exactly at
@@ -268,10 +268,10 @@ def rank_groups(
     # which CPython compares several times faster than whole lists.
     for key in _SORT_KEYS:
         entries.sort(key=key)
-    # tuple.__new__ (what namedtuple's _make uses) builds a Placement for a third of the cost of
+    # tuple.__new__ (what namedtuple's _make uses) builds a RankedGroup for a third of the cost of
     # its constructor, and this runs per group.
     new = tuple.__new__
-    return [new(Placement, (group_id, _REASONS[tier or occupancy > target_occupancy][bool(prefix)],
+    return [new(RankedGroup, (group_id, _REASONS[tier or occupancy > target_occupancy][bool(prefix)],
                             occupancy, prefix))
             for tier, _, occupancy, group_id, prefix in entries]
 
@@ -346,8 +346,8 @@ def _score(tier: List[list], num_blocks: int, prefix_weight: float, load_weight:
 _SORT_KEYS = (itemgetter(3), itemgetter(2), itemgetter(1), itemgetter(0))
 # _REASONS[tier][has cached prefix]
 _REASONS = (
-    (PlacementReason.UNDER_TARGET, PlacementReason.UNDER_TARGET_PREFIX),
-    (PlacementReason.OVER_TARGET, PlacementReason.OVER_TARGET_PREFIX),
-    (PlacementReason.LEAST_LOADED, PlacementReason.LEAST_LOADED),
-    (PlacementReason.STALE_REPORT, PlacementReason.STALE_REPORT),
+    (RankReason.UNDER_TARGET, RankReason.UNDER_TARGET_PREFIX),
+    (RankReason.OVER_TARGET, RankReason.OVER_TARGET_PREFIX),
+    (RankReason.LEAST_LOADED, RankReason.LEAST_LOADED),
+    (RankReason.STALE_REPORT, RankReason.STALE_REPORT),
 )

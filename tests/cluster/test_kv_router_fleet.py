@@ -14,7 +14,7 @@ from ray.serve._private.common import DeploymentHandleSource, ReplicaID  # noqa:
 
 from cluster.routing import kv_router, native_rank  # noqa: E402
 from cluster.routing.kv_router import KVAwareRouter  # noqa: E402
-from cluster.routing.ranking import PlacementReason, RequestDemand, rank_groups  # noqa: E402
+from cluster.routing.ranking import RankReason, RequestDemand, rank_groups  # noqa: E402
 from cluster.routing.fleet_order import UniformRanking  # noqa: E402
 from kv.prefix_hash import extend_block_hashes  # noqa: E402
 from test_kv_router_ray import DEPLOYMENT, StandInReplica, request, stats  # noqa: E402
@@ -99,13 +99,13 @@ def test_reports_that_stop_arriving_turn_stale_without_a_replica_update(serve, m
     monkeypatch.setattr(kv_router.time, "time", lambda: clock[0])
     serve.update([ServeStandIn("a", stats(1, 10)), ServeStandIn("b", stats(1, 30))])
 
-    def reasons(request_id: str) -> List[PlacementReason]:
+    def reasons(request_id: str) -> List[RankReason]:
         assert serve.choose(request(request_id, num_tokens=16))[0] == "a"
-        return [p.reason for p in serve.router._pending[request_id].placements]
+        return [p.reason for p in serve.router._pending[request_id].ranked]
 
-    assert reasons("r1") == [PlacementReason.UNDER_TARGET] * 2
+    assert reasons("r1") == [RankReason.UNDER_TARGET] * 2
     clock[0] += 6.0  # past max_report_age_s, and no update in between
-    assert reasons("r2") == [PlacementReason.STALE_REPORT] * 2
+    assert reasons("r2") == [RankReason.STALE_REPORT] * 2
 
 
 def _ranked_by_rank_groups(router: KVAwareRouter, pending) -> List[str]:
@@ -136,15 +136,15 @@ def test_a_uniform_fleet_is_ranked_as_rank_groups_ranks_it(ranking, serve, num_g
                           block_hashes=conv[:rng.randrange(4, len(conv) + 1)])
         expected = _ranked_by_rank_groups(serve.router, pending)
         assert serve.choose(pending) == expected
-        placements = serve.router._pending[f"r{i}"].placements
-        assert isinstance(placements, UniformRanking) == uniform
-        decided.append((placements, list(placements)))
+        ranked = serve.router._pending[f"r{i}"].ranked
+        assert isinstance(ranked, UniformRanking) == uniform
+        decided.append((ranked, list(ranked)))
         if i % 2:  # every other request is still routing when the next ones are decided
             # and some go to the second choice (the first was full): the charge moves there
             taker = expected[1] if i % 4 == 1 else expected[0]
             serve.router.on_request_routed(pending, ReplicaID(taker, DEPLOYMENT), None)
     # what a decision ranked stays as it was when later charges change the fleet's loads
-    assert all(list(placements) == then for placements, then in decided)
+    assert all(list(ranked) == then for ranked, then in decided)
 
 
 @pytest.mark.parametrize("bad", [{"num_tokens": -5}, {"num_tokens": "12"},
@@ -167,7 +167,7 @@ def test_a_stale_report_sends_the_fleet_back_to_rank_groups(serve, monkeypatch):
     pending = request("r", num_tokens=32, block_hashes=[])
     expected = _ranked_by_rank_groups(serve.router, pending)
     assert serve.choose(pending) == expected and expected[-1] == "old"
-    assert isinstance(serve.router._pending["r"].placements, list)
+    assert isinstance(serve.router._pending["r"].ranked, list)
 
 
 @pytest.mark.parametrize("num_groups", [2, 30])

@@ -37,7 +37,7 @@ from cluster.app import kv_aware_router_config  # noqa: E402
 from cluster.contract import LoadReport  # noqa: E402
 from cluster.routing.load_report import ReplicaLoadTracker  # noqa: E402
 from cluster.groups.deployment import serve_routing_id  # noqa: E402
-from cluster.routing.ranking import PlacementReason, RequestDemand  # noqa: E402
+from cluster.routing.ranking import RankReason, RequestDemand  # noqa: E402
 
 DEPLOYMENT = DeploymentID(name="group", app_name="test")
 
@@ -89,13 +89,13 @@ def test_a_burst_before_any_acceptance_is_spread_by_the_charges(router):
     assert firsts == ["a", "b", "a", "b", "a", "b"]
     for p, first in zip(pending, firsts):
         router.on_request_routed(p, ReplicaID(first, DEPLOYMENT), None)
-    assert router.decision_counts() == {PlacementReason.UNDER_TARGET.value: 6}
+    assert router.decision_counts() == {RankReason.UNDER_TARGET.value: 6}
     assert len(router.decision_times_us()) == 6
     # Both at 0.70 now: the next request finds no room under target.
     assert router.group_loads()["a"].projected_occupancy(0) == 0.70
     choose(router, [a, b], request("r6", num_tokens=16))
     router.on_request_routed(request("r6"), ReplicaID("a", DEPLOYMENT), None)
-    assert router.decision_counts()[PlacementReason.OVER_TARGET.value] == 1
+    assert router.decision_counts()[RankReason.OVER_TARGET.value] == 1
 
 
 def test_a_request_taken_by_another_replica_moves_its_charge(router):
@@ -107,7 +107,7 @@ def test_a_request_taken_by_another_replica_moves_its_charge(router):
     loads = router.group_loads()
     assert loads["a"].num_tokens_sent_since_report == 0
     assert loads["b"].num_tokens_sent_since_report == 320
-    assert router.decision_counts() == {PlacementReason.UNDER_TARGET.value: 1}
+    assert router.decision_counts() == {RankReason.UNDER_TARGET.value: 1}
 
 
 def test_a_follow_up_goes_where_its_history_was_sent_before_any_report_shows_it(router):
@@ -140,7 +140,7 @@ def test_a_retry_releases_the_charge_of_its_earlier_choice(router):
     router.on_request_routed(pending, a.replica_id, None)
     router.on_request_completed(a.replica_id, "r1")
     assert router.group_loads()["a"].num_tokens_sent_since_report == 320
-    assert router.decision_counts() == {PlacementReason.UNDER_TARGET.value: 1}
+    assert router.decision_counts() == {RankReason.UNDER_TARGET.value: 1}
 
 
 def test_replicas_without_a_report_rank_last_together_and_none_reported_falls_back(router):
@@ -239,7 +239,7 @@ def test_a_stale_replica_ranks_last(router):
     tracker.observe(stuck.routing_stats, now=time.time() - 60.0)  # received a minute ago
     assert choose(router, [stuck, busy], request("r1", num_tokens=16)) == [["busy"], ["stuck"]]
     router.on_request_routed(request("r1"), busy.replica_id, None)
-    assert router.decision_counts() == {PlacementReason.OVER_TARGET.value: 1}
+    assert router.decision_counts() == {RankReason.OVER_TARGET.value: 1}
 
 
 def test_report_and_config_validation():
@@ -367,9 +367,9 @@ def test_requests_avoid_the_replica_above_target(serve_app):
     ranks = [response.result(timeout_s=30)["rank"] for response in responses]
     assert ranks == [1] * num_requests
     counts = router.decision_counts()
-    assert counts[PlacementReason.UNDER_TARGET.value] == num_requests
+    assert counts[RankReason.UNDER_TARGET.value] == num_requests
     assert counts[FALLBACK_NO_NUM_TOKENS] == 1  # the ping
-    assert not {PlacementReason.OVER_TARGET.value, PlacementReason.LEAST_LOADED.value} & set(counts)
+    assert not {RankReason.OVER_TARGET.value, RankReason.LEAST_LOADED.value} & set(counts)
     times_us = sorted(router.decision_times_us())
     assert len(times_us) >= num_requests
     print(f"decision time p50 {times_us[len(times_us) // 2]:.1f} us over {len(times_us)}")

@@ -128,11 +128,11 @@ def test_the_c_ranking_equals_rank_groups(module, case, target, prefix_weight, l
     ranks, order, committed, prefix, base, num_blocks, got_hashes, first_tokens = module.rank(
         state, hashes, num_tokens, block_size)
     expected = python_rank(index, fleet, hashes, num_tokens, block_size, router_settings)
-    assert order == [fleet.position[placement.group_id] for placement in expected]
+    assert order == [fleet.position[group.group_id] for group in expected]
     assert ranks == [fleet.ranks[i] for i in order]
     assert got_hashes == tuple(hashes)
     got = UniformRanking(order, fleet.loads, committed, prefix, base, num_blocks, target)
-    assert list(got) == expected  # Placement for Placement: reasons, occupancies, prefix
+    assert list(got) == expected  # group for group: reasons, occupancies, prefix
     assert committed == fleet.kept.committed and committed is not fleet.kept.committed
     if order:  # the router's charge for the first choice, as _PendingDecision.tokens_on has it
         cached = expected[0].cached_prefix_blocks

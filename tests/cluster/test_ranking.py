@@ -1,4 +1,4 @@
-"""The pure placement policy: at, above and exactly on the target, ties, stale reports, bursts,
+"""The pure ranking policy: at, above and exactly on the target, ties, stale reports, bursts,
 cached prefixes, bad input, and the ranking's properties (the weighted score that orders the
 groups under target: test_ranking_score.py)."""
 
@@ -14,15 +14,15 @@ from hypothesis import strategies as st
 
 from cluster.routing.ranking import (
     GroupLoad,
-    Placement,
-    PlacementReason,
+    RankedGroup,
+    RankReason,
     RequestDemand,
     rank_groups,
     tied_with_first,
 )
 from kv.prefix_hash import extend_block_hashes
 
-R = PlacementReason
+R = RankReason
 BS = 16
 
 
@@ -55,8 +55,8 @@ def demand(num_tokens: int, hashes=()) -> RequestDemand:
     return RequestDemand(num_tokens, tuple(hashes), BS if hashes else None)
 
 
-def ids(placements: List[Placement]) -> List[str]:
-    return [p.group_id for p in placements]
+def ids(ranked: List[RankedGroup]) -> List[str]:
+    return [p.group_id for p in ranked]
 
 
 def test_projected_occupancy_rounds_each_term_up_to_blocks():
@@ -65,28 +65,28 @@ def test_projected_occupancy_rounds_each_term_up_to_blocks():
     assert group.projected_occupancy(16) == 14 / 100
     assert group.projected_occupancy(17) == 15 / 100
     assert group.projected_occupancy(0) == 13 / 100
-    [placement] = rank_groups(demand(16), [group])
-    assert placement.projected_occupancy == group.projected_occupancy(16)
+    [ranked_group] = rank_groups(demand(16), [group])
+    assert ranked_group.projected_occupancy == group.projected_occupancy(16)
 
 
 def test_under_target_group_comes_first_even_when_busier_one_sorts_first_by_id():
     # "a" would reach 0.75, "b" 0.50: only "b" is under target.
-    placements = rank_groups(demand(5 * BS), [load("a", 70), load("b", 45)])
-    assert placements == [
-        Placement("b", R.UNDER_TARGET, 0.50, 0),
-        Placement("a", R.OVER_TARGET, 0.75, 0),
+    ranked = rank_groups(demand(5 * BS), [load("a", 70), load("b", 45)])
+    assert ranked == [
+        RankedGroup("b", R.UNDER_TARGET, 0.50, 0),
+        RankedGroup("a", R.OVER_TARGET, 0.75, 0),
     ]
 
 
 def test_exactly_at_target_counts_as_under():
     # 65 + 5 = 70 of 100 blocks: exactly 0.70.
     at_target, over = load("at", 65), load("over", 66)
-    placements = rank_groups(demand(5 * BS), [over, at_target])
-    assert [(p.group_id, p.reason) for p in placements] == [
+    ranked = rank_groups(demand(5 * BS), [over, at_target])
+    assert [(p.group_id, p.reason) for p in ranked] == [
         ("at", R.UNDER_TARGET),
         ("over", R.OVER_TARGET),
     ]
-    assert placements[0].projected_occupancy == 0.70
+    assert ranked[0].projected_occupancy == 0.70
     # One token more needs a sixth block: now both are over.
     assert rank_groups(demand(5 * BS + 1), [at_target])[0].reason is R.OVER_TARGET
 
@@ -95,15 +95,15 @@ def test_exactly_at_target_counts_as_under():
 def test_exactly_at_target_holds_for_every_pool_size(total):
     needed = int(round(0.7 * total))
     assert needed / total == 0.7
-    placements = rank_groups(demand(BS), [load("g", needed - 1, total)])
-    assert placements[0].reason is R.UNDER_TARGET
+    ranked = rank_groups(demand(BS), [load("g", needed - 1, total)])
+    assert ranked[0].reason is R.UNDER_TARGET
 
 
 def test_when_every_group_is_over_target_the_least_loaded_goes_first():
     # Nothing cached: over the target the score is the load alone; past a full pool, too.
     loads = [load("a", 95), load("b", 80), load("c", 99), load("d", 100)]
-    placements = rank_groups(demand(2 * BS), loads)
-    assert [(p.group_id, p.reason, p.projected_occupancy) for p in placements] == [
+    ranked = rank_groups(demand(2 * BS), loads)
+    assert [(p.group_id, p.reason, p.projected_occupancy) for p in ranked] == [
         ("b", R.OVER_TARGET, 0.82), ("a", R.OVER_TARGET, 0.97), ("c", R.LEAST_LOADED, 1.01),
         ("d", R.LEAST_LOADED, 1.02)]
 
@@ -145,8 +145,8 @@ def test_stale_report_ranks_after_every_fresh_group_even_an_over_target_one():
         load("busy", 90, age=0.4),
         load("ok", 50, age=0.4),
     ]
-    placements = rank_groups(demand(BS), loads, max_report_age_s=5.0)
-    assert [(p.group_id, p.reason) for p in placements] == [
+    ranked = rank_groups(demand(BS), loads, max_report_age_s=5.0)
+    assert [(p.group_id, p.reason) for p in ranked] == [
         ("ok", R.UNDER_TARGET),
         ("busy", R.OVER_TARGET),
         ("stale_empty", R.STALE_REPORT),
@@ -154,15 +154,15 @@ def test_stale_report_ranks_after_every_fresh_group_even_an_over_target_one():
 
 
 def test_report_exactly_at_the_age_limit_is_still_fresh():
-    placements = rank_groups(demand(BS), [load("g", 0, age=5.0)], max_report_age_s=5.0)
-    assert placements[0].reason is R.UNDER_TARGET
+    ranked = rank_groups(demand(BS), [load("g", 0, age=5.0)], max_report_age_s=5.0)
+    assert ranked[0].reason is R.UNDER_TARGET
 
 
 def test_stale_groups_rank_among_themselves_by_load():
     loads = [load("x", 50, age=9.0), load("y", 10, age=7.0)]
-    placements = rank_groups(demand(BS), loads, max_report_age_s=5.0)
-    assert ids(placements) == ["y", "x"]
-    assert {p.reason for p in placements} == {R.STALE_REPORT}
+    ranked = rank_groups(demand(BS), loads, max_report_age_s=5.0)
+    assert ids(ranked) == ["y", "x"]
+    assert {p.reason for p in ranked} == {R.STALE_REPORT}
 
 
 def _route_burst(loads: Dict[str, GroupLoad], num_requests: int, num_tokens: int) -> List[str]:
@@ -185,8 +185,8 @@ def test_a_burst_between_two_reports_spills_over_once_a_group_reaches_target():
     assert chosen == ["a", "b", "a", "b", "a", "b"]
     assert loads["a"].projected_occupancy(0) == 0.70
     # The next request fits nowhere under target: least loaded, and the two are tied.
-    placements = rank_groups(demand(10 * BS), list(loads.values()))
-    assert [(p.group_id, p.reason) for p in placements] == [
+    ranked = rank_groups(demand(10 * BS), list(loads.values()))
+    assert [(p.group_id, p.reason) for p in ranked] == [
         ("a", R.OVER_TARGET),
         ("b", R.OVER_TARGET),
     ]
@@ -223,8 +223,8 @@ def test_a_history_lifts_its_group_over_the_target_above_one_under_it_while_its_
     hashes = extend_block_hashes([], list(range(4 * BS)), BS)
     # 6 blocks asked, 4 of them cached in "cached_but_full": 69 + 2 = 0.71 there, 0.66 cold.
     loads = [load("cached_but_full", 69, cached=hashes), load("cold", 60)]
-    placements = rank_groups(demand(6 * BS, hashes), loads)
-    assert [(p.group_id, p.reason, p.projected_occupancy) for p in placements] == [
+    ranked = rank_groups(demand(6 * BS, hashes), loads)
+    assert [(p.group_id, p.reason, p.projected_occupancy) for p in ranked] == [
         ("cached_but_full", R.OVER_TARGET_PREFIX, 0.71),
         ("cold", R.UNDER_TARGET, 0.66),
     ]
@@ -248,8 +248,8 @@ def test_cached_blocks_take_no_new_blocks_so_they_do_not_count_against_the_targe
     hashes = extend_block_hashes([], list(range(8 * BS)), BS)
     request = demand(10 * BS, hashes)
     loads = [load("a_cold", 60), load("b_history", 60, cached=hashes)]
-    placements = rank_groups(request, loads)
-    assert [(p.group_id, p.projected_occupancy, p.cached_prefix_blocks) for p in placements] == [
+    ranked = rank_groups(request, loads)
+    assert [(p.group_id, p.projected_occupancy, p.cached_prefix_blocks) for p in ranked] == [
         ("b_history", 0.62, 8), ("a_cold", 0.70, 0)]
     # Both over target: the history's group still comes first.
     loads = [load("a_cold", 75), load("b_history", 80, cached=hashes)]
@@ -265,8 +265,8 @@ def test_only_leading_blocks_count_and_block_sizes_must_match():
     assert late.num_cached_prefix_blocks(demand(5 * BS, hashes)) == 0
     other_size = load("other", 0, cached=hashes, block_size=32, total=50)
     assert other_size.num_cached_prefix_blocks(demand(5 * BS, hashes)) == 0
-    placements = rank_groups(demand(5 * BS, hashes), [other_size, gap])
-    assert [(p.group_id, p.cached_prefix_blocks) for p in placements] == [("gap", 2), ("other", 0)]
+    ranked = rank_groups(demand(5 * BS, hashes), [other_size, gap])
+    assert [(p.group_id, p.cached_prefix_blocks) for p in ranked] == [("gap", 2), ("other", 0)]
 
 
 @pytest.mark.parametrize(
@@ -341,18 +341,18 @@ def _naive_prefix(group: GroupLoad, request: RequestDemand) -> int:
 @given(scenarios())
 def test_ranking_properties(scenario):
     request, loads = scenario
-    placements = rank_groups(request, loads, TARGET, max_report_age_s=5.0)
+    ranked = rank_groups(request, loads, TARGET, max_report_age_s=5.0)
     by_id = {group.group_id: group for group in loads}
-    assert sorted(ids(placements)) == sorted(by_id)  # every group exactly once
+    assert sorted(ids(ranked)) == sorted(by_id)  # every group exactly once
     def occupancy(group: GroupLoad) -> float:
         fresh = group.report_age_s <= 5.0
         cached = _naive_prefix(group, request) if fresh else 0
         return group.projected_occupancy(request.num_tokens, cached)
 
-    fresh = [p for p in placements if p.reason is not R.STALE_REPORT]
+    fresh = [p for p in ranked if p.reason is not R.STALE_REPORT]
     base = min((p.cached_prefix_blocks for p in fresh), default=0)
 
-    def tier(p: Placement) -> int:  # under the target, or holding a history the pool holds: 0
+    def tier(p: RankedGroup) -> int:  # under the target, or holding a history the pool holds: 0
         if p.reason is R.STALE_REPORT:
             return 3
         num_blocks = -(-request.num_tokens // by_id[p.group_id].block_size)
@@ -361,7 +361,7 @@ def test_ranking_properties(scenario):
             return 0
         return 1 if p.projected_occupancy <= 1.0 else 2
 
-    tiers = [tier(p) for p in placements]
+    tiers = [tier(p) for p in ranked]
     assert tiers == sorted(tiers)
     if any(p.projected_occupancy <= TARGET for p in fresh):
         assert tiers[0] == 0
@@ -370,7 +370,7 @@ def test_ranking_properties(scenario):
                     else (R.OVER_TARGET, R.OVER_TARGET_PREFIX)
                     if p.projected_occupancy <= 1.0 else (R.LEAST_LOADED,) * 2)
         assert p.reason is expected[p.cached_prefix_blocks > 0]
-    for p in placements:
+    for p in ranked:
         group = by_id[p.group_id]
         assert p.projected_occupancy == occupancy(group)
         if p.reason is R.STALE_REPORT:
@@ -380,12 +380,12 @@ def test_ranking_properties(scenario):
                                                  -(-request.num_tokens // group.block_size))
     # Within a tier: higher score first (tier 0: the load against its highest occupancy; tier 1:
     # against the whole pool), then lower occupancy, then id.
-    scale = (max((p.projected_occupancy for p, t in zip(placements, tiers) if t == 0),
+    scale = (max((p.projected_occupancy for p, t in zip(ranked, tiers) if t == 0),
                  default=0.0), 1.0)
     keys = [
         (t, _naive_score(p, request, scale[t], base) if t < 2 else 0.0,
          p.projected_occupancy, p.group_id)
-        for p, t in zip(placements, tiers)
+        for p, t in zip(ranked, tiers)
     ]
     assert keys == sorted(keys, key=lambda k: (k[0], round(k[1], 9), k[2], k[3]))
     # Without a load weight: the strict order, longer prefix first.
@@ -396,7 +396,7 @@ def test_ranking_properties(scenario):
     assert keys == sorted(keys)
 
 
-def _naive_score(p: Placement, request: RequestDemand, highest: float, base: int) -> float:
+def _naive_score(p: RankedGroup, request: RequestDemand, highest: float, base: int) -> float:
     """-(3 x prefix fraction past the base + 2 x (1 - occupancy / highest)) for groups of a
     scored tier."""
     if p.cached_prefix_blocks is None:

@@ -29,8 +29,8 @@ def test_the_load_weight_trades_a_short_prefix_for_load(load_weight, expected):
         load("two_blocks", 30, cached=hashes[:2]),
         load("six_blocks", 50, cached=hashes[:6] + [12345]),
     ]
-    placements = rank_groups(demand(len(tokens) + 64, hashes), loads, load_weight=load_weight)
-    assert [(p.group_id, p.reason, p.cached_prefix_blocks) for p in placements] == expected
+    ranked = rank_groups(demand(len(tokens) + 64, hashes), loads, load_weight=load_weight)
+    assert [(p.group_id, p.reason, p.cached_prefix_blocks) for p in ranked] == expected
 
 
 def test_a_shared_system_prompt_does_not_pull_every_request_to_one_group():
@@ -62,8 +62,8 @@ def test_a_next_turn_stays_with_its_history_when_every_group_holds_the_system_pr
     turn = extend_block_hashes([], system + history, BS)
     home = load("home", 60, cached=turn)
     idle = load("idle", 0, cached=turn[:8])
-    placements = rank_groups(demand(17 * BS + 8, turn), [home, idle])
-    assert [(p.group_id, p.cached_prefix_blocks) for p in placements] == [("home", 17),
+    ranked = rank_groups(demand(17 * BS + 8, turn), [home, idle])
+    assert [(p.group_id, p.cached_prefix_blocks) for p in ranked] == [("home", 17),
                                                                           ("idle", 8)]
     # A new conversation (the system prompt only) goes by load alone.
     new = extend_block_hashes([], system + list(range(5000, 5000 + 9 * BS)), BS)
@@ -79,5 +79,5 @@ def test_a_conversations_group_is_placed_by_its_score_among_the_base_groups():
     # Every group holds the 4-block system prompt; "b" also the conversation's next 4 blocks.
     loads = [load("a", 10), load("b", 20), load("c", 5), load("d", 80)]
     cached = {"a": 4, "b": 8, "c": 4, "d": 4}
-    placements = rank_groups(demand(10 * BS, tuple(range(10))), loads, cached_prefix=cached)
-    assert ids(placements) == ["b", "c", "a", "d"]
+    ranked = rank_groups(demand(10 * BS, tuple(range(10))), loads, cached_prefix=cached)
+    assert ids(ranked) == ["b", "c", "a", "d"]
