@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any, Dict, Optional, Tuple
 
 from ray import serve
@@ -20,9 +20,9 @@ from ray.serve.config import (
     RequestRouterConfig,
 )
 
+from cluster.app_config import ServeConfig, parse_groups  # noqa: F401 (parse_groups re-exported)
 from cluster.api.admission import group_max_ongoing_requests, ingress_max_in_flight
 from cluster.groups.autoscaling import KVLoadPolicy
-from cluster.options import PLACEMENT_STRATEGIES
 from cluster.groups.formation import FormationConfig
 from cluster.groups.deployment import GroupResources, PlannedPlacement, TPGroupServer
 from cluster.api.ingress import build_ingress
@@ -36,84 +36,7 @@ from workers.engine_sizing import check_model, context_length, fit_context_to_po
 from workers.model_config import ModelConfig, load_model_config
 
 
-ROUTERS = ("kv", "pow2", "prefix_affinity", "round_robin")
-
-
 logger = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class ServeConfig:
-    engine: EngineConfig
-    min_groups: int = 1
-    max_groups: int = 1
-    kv_target_occupancy: float = 0.70
-    api_key: Optional[str] = None
-    served_model_name: Optional[str] = None
-    routing_stats_period_s: float = 0.5
-    # How Serve places each group's ranks (Ray's placement group strategy; --placement serve).
-    # None: PACK, as Ray Serve LLM (one node where one has room, else spilling to others).
-    placement_strategy: Optional[str] = None
-    # "kv": tpserve's KV-aware router;
-    # baselines (cluster/routing/baseline_routers.py): "pow2" (Serve's default), "prefix_affinity",
-    # "round_robin"
-    router: str = "kv"
-    max_migrations: int = 3  # re-sends of a request whose group failed while serving it
-    # "plan": the topology plan places each group (cluster.groups.allocator); "serve": Serve does;
-    # "auto": the plan for a fixed number of groups on clusters with GPUs, else Serve.
-    placement: str = "auto"
-    cpu_ranks_per_node: Optional[int] = None  # CPU plans: rank slots per node (None: its cores)
-    # --groups MIN:MAX: KV usage averaged over the look-back window; Serve holds a decision this
-    # long before acting on it (its defaults, 30 s up and 600 s down, ignore a full cache).
-    autoscale_look_back_s: float = 5.0
-    upscale_delay_s: float = 2.0
-    downscale_delay_s: float = 30.0
-    max_ongoing_requests: Optional[int] = None  # per group; None: from its KV capacity
-    max_queued_requests: Optional[int] = None  # per ingress; None: one more round of the groups
-    max_request_body_mb: float = 4.0
-    request_timeout_s: float = 600.0
-    # Chat templates sent in requests (Jinja run by the ingress): refused unless trusted.
-    trust_request_chat_template: bool = False
-
-    def __post_init__(self) -> None:
-        check_limits(self)
-        if not 1 <= self.min_groups <= self.max_groups:
-            raise ValueError(f"--groups must be N or MIN:MAX with 1 <= MIN <= MAX, got "
-                             f"{self.min_groups}:{self.max_groups}")
-        if self.placement not in ("auto", "plan", "serve"):
-            raise ValueError(f"--placement must be auto, plan or serve, got {self.placement!r}")
-        if self.placement_strategy is not None:
-            check_placement_strategy(self.placement_strategy, self.placement)
-        if self.router not in ROUTERS:
-            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
-        if self.max_migrations < 0:
-            raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
-        if not 0.0 < self.kv_target_occupancy <= 1.0:
-            raise ValueError(f"--kv-target-occupancy must be in (0, 1], got "
-                             f"{self.kv_target_occupancy}")
-
-
-def check_placement_strategy(strategy: str, placement: str) -> None:
-    if strategy not in PLACEMENT_STRATEGIES:
-        raise ValueError(f"--placement-strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, "
-                         f"got {strategy!r}")
-    if placement == "plan":
-        raise ValueError("--placement-strategy places the ranks of groups Serve places; "
-                         "--placement plan places them itself (by the topology probes)")
-
-
-def check_limits(config: ServeConfig) -> None:
-    """The request limits (``cluster.api.admission``, ``cluster.api.request_limits``)."""
-    for name in ("max_ongoing_requests", "max_queued_requests"):
-        value = getattr(config, name)
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer (requests), "
-                             f"got {value!r}")
-    if not 0 < config.max_request_body_mb < 1 << 20:
-        raise ValueError(f"--max-request-body-mb must be a positive number of MiB, got "
-                         f"{config.max_request_body_mb}")
-    if not 0 < config.request_timeout_s < float("inf"):
-        raise ValueError(f"--request-timeout-s must be a positive number of seconds, got "
-                         f"{config.request_timeout_s}")
 
 
 def request_limits(config: ServeConfig) -> Tuple[int, int, IngressLimits]:
@@ -145,17 +68,6 @@ def served_context_length(engine: EngineConfig, model: ModelConfig) -> int:
     if engine.num_kv_blocks is None:
         return wanted  # sized from --kv-cache-gb and the dtype: the engine decides
     return fit_context_to_pool(engine, wanted, engine.num_kv_blocks)
-
-
-def parse_groups(text: str) -> tuple:
-    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4)."""
-    try:
-        parts = [int(p) for p in text.split(":")]
-    except ValueError:
-        raise ValueError(f"--groups must be N or MIN:MAX, got {text!r}") from None
-    if len(parts) not in (1, 2):
-        raise ValueError(f"--groups must be N or MIN:MAX, got {text!r}")
-    return parts[0], parts[-1]
 
 
 def group_resources(config: ServeConfig, cluster: Dict[str, float]) -> GroupResources:

@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
 
-from cluster.app import ServeConfig, parse_groups
-from cluster.options import add_engine_arguments, engine_config
+from cluster.app_config import ServeConfig, ServePlan
+from cluster.options import (ENGINE_OPTIONS, PLAN_OPTIONS, SERVE_OPTIONS, Option, engine_config,
+                             field_values, serve_config_from)
 from workers.config import EngineConfig
 
 IMPORT_PATH = "cluster.serve_config:app_builder"
@@ -35,22 +35,6 @@ NOT_ARGS = {
     "port": "the file's http_options.port",
     "api_key": f"an environment variable named by {API_KEY_ENV} (never the key itself)",
 }
-
-
-@dataclass(frozen=True)
-class ServePlan:
-    """What ``tpserve serve`` runs: the application's configuration and where it listens."""
-
-    config: ServeConfig
-    host: str = "127.0.0.1"
-    port: int = 8000
-    app_name: str = "tpserve"
-    route_prefix: str = "/"
-    grpc_options: Optional[Dict[str, Any]] = None  # the file's, for Serve's gRPC proxy
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}{self.route_prefix.rstrip('/')}/v1"
 
 
 def app_builder(args: Dict[str, Any]):
@@ -80,7 +64,7 @@ def serve_config_from_args(args: Mapping[str, Any],
         if key != API_KEY_ENV and key not in options:
             raise ValueError(f"args.{key}: unknown key; expected one of "
                              f"{', '.join(sorted([*options, API_KEY_ENV]))}")
-    values = argparse.Namespace(seed=None, **{k: a.default for k, a in options.items()})
+    values = argparse.Namespace(**{key: opt.parsed_default() for key, opt in options.items()})
     for key, value in args.items():
         if key != API_KEY_ENV:
             setattr(values, key, _checked_value(key, options[key], value))
@@ -92,26 +76,20 @@ def serve_config_from_args(args: Mapping[str, Any],
             from None
 
 
-def arg_options() -> Dict[str, argparse.Action]:
+def arg_options() -> Dict[str, Option]:
     """The keys an application's ``args`` may hold, with the option each one stands for."""
-    from cluster.options import add_serve_arguments
-
-    parser = argparse.ArgumentParser(add_help=False)
-    add_engine_arguments(parser)
-    add_serve_arguments(parser)
-    # argparse keeps its actions in a private list; there is no public way to read types back.
-    return {a.dest: a for a in parser._actions if a.dest not in NOT_ARGS}
+    return {opt.dest: opt for opt in (*ENGINE_OPTIONS, *SERVE_OPTIONS) if opt.dest not in NOT_ARGS}
 
 
-def _checked_value(key: str, action: argparse.Action, value: Any) -> Any:
-    """``value`` if it has the type (and is one of the choices) of ``action``'s option."""
-    if value is None and action.default is None:
+def _checked_value(key: str, option: Option, value: Any) -> Any:
+    """``value`` if it has the type (and is one of the choices) of ``option``."""
+    if value is None and option.default is None:
         return None
-    if action.nargs == 0:  # a flag (store_true)
+    if option.kind is bool:
         expected, ok = "true or false", isinstance(value, bool)
-    elif action.type is int:
+    elif option.kind is int:
         expected, ok = "an integer", isinstance(value, int) and not isinstance(value, bool)
-    elif action.type is float:
+    elif option.kind is float:
         expected = "a number"
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
@@ -119,8 +97,8 @@ def _checked_value(key: str, action: argparse.Action, value: Any) -> Any:
         expected, ok = "a string", isinstance(value, str)
         if key == "groups" and not ok:
             expected = 'a quoted string "N" or "MIN:MAX" (YAML reads an unquoted 1:4 as 64)'
-    if ok and action.choices is not None and value not in action.choices:
-        expected, ok = f"one of {', '.join(map(str, action.choices))}", False
+    if ok and option.choices is not None and value not in option.choices:
+        expected, ok = f"one of {', '.join(map(str, option.choices))}", False
     if not ok:
         raise ValueError(f"args.{key}: expected {expected}, got {value!r}")
     return value
@@ -143,25 +121,9 @@ def _api_key(env_name: Any, environ: Mapping[str, str]) -> Optional[str]:
 # ----- tpserve serve -----
 
 
-def serve_config_from(values: argparse.Namespace, engine: EngineConfig,
-                      api_key: Optional[str]) -> ServeConfig:
-    """The ``ServeConfig`` of `tpserve serve`'s options (``add_serve_arguments``), whether
-    they came from the command line or from a config file's args."""
-    min_groups, max_groups = parse_groups(values.groups)
-    return ServeConfig(engine=engine, min_groups=min_groups, max_groups=max_groups,
-                       kv_target_occupancy=values.kv_target_occupancy, api_key=api_key,
-                       served_model_name=values.served_model_name,
-                       max_migrations=values.max_migrations, placement=values.placement,
-                       placement_strategy=values.placement_strategy,
-                       max_queued_requests=values.max_queued_requests,
-                       max_request_body_mb=values.max_request_body_mb,
-                       request_timeout_s=values.request_timeout_s,
-                       trust_request_chat_template=values.trust_request_chat_template)
-
-
 def plan_from_cli(args: argparse.Namespace, engine: EngineConfig) -> ServePlan:
-    return ServePlan(serve_config_from(args, engine, args.api_key), host=args.host,
-                     port=args.port)
+    return ServePlan(serve_config_from(args, engine, args.api_key),
+                     **field_values(PLAN_OPTIONS, args))
 
 
 def plan_from_file(path: Path, changed_options: Sequence[str] = ()) -> ServePlan:

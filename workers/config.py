@@ -6,50 +6,87 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from kv.tiers.write_policy import check_write_policy
+from kv.tiers.write_policy import WRITE_POLICIES, check_write_policy
+from workers.option_field import option
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_EVICTIONS = ("lru", "hotness")
+TIERS = "KV tiers (per rank)"  # the help section of the tier options
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # a checkpoint directory, or "default"
-    tp_size: int = 1
-    block_size: int = 16
-    num_kv_blocks: Optional[int] = None  # caps the device pool; None: from kv_cache_gb
-    kv_cache_gb: float = 2.0  # device pool per rank, when num_kv_blocks is None
+    """What an engine runs and how; each ``option`` field is also a CLI flag (cluster.options)."""
+
+    model: str = option("default", "checkpoint directory, or 'default' (SmolLM2-135M-Instruct)")
+    tp_size: int = option(1, "tensor-parallel size", flag="--tp")
+    block_size: int = option(16, "tokens per KV block")
+    # caps the device pool; None: from kv_cache_gb
+    num_kv_blocks: Optional[int] = option(None, "cap on device KV blocks", flag="--kv-blocks")
+    kv_cache_gb: float = option(
+        2.0, "device KV pool per rank in GiB (when --kv-blocks is not set)")
     # CUDA: the pool takes what this fraction of each rank's GPU leaves once the weights are
     # loaded and the largest step has run (kv_cache_gb unused, num_kv_blocks a cap); None: off
-    gpu_memory_utilization: Optional[float] = None
-    enable_prefix_cache: bool = True
-    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
-    max_num_seqs: int = 128
-    max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
-    dtype: str = "auto"  # auto: fp32 on CPU, the checkpoint's dtype on CUDA
-    device: str = "auto"  # auto: CUDA when available, else CPU
+    gpu_memory_utilization: Optional[float] = option(
+        None, "CUDA: the fraction of each GPU the rank may use; the KV pool takes what it leaves "
+              "after the weights and the largest step (instead of --kv-cache-gb; --kv-blocks "
+              "caps it)")
+    enable_prefix_cache: bool = option(True, "disable prefix caching", flag="--no-prefix-cache")
+    max_num_batched_tokens: int = option(2048, "token budget of one step (chunked prefill)")
+    max_num_seqs: int = option(128, "requests per step")
+    # None: the model's max_position_embeddings
+    max_model_len: Optional[int] = option(None, "context length cap")
+    # auto: fp32 on CPU, the checkpoint's dtype on CUDA
+    dtype: str = option("auto", "auto, float32, bfloat16 or float16")
+    device: str = option("auto", "auto, cpu or cuda")  # auto: CUDA when available, else CPU
     seed: int = 0  # for requests without a seed of their own
-    attention_backend: str = "auto"  # torch, triton; auto: triton on CUDA, torch on CPU
-    # True: no CUDA graphs. False: decode steps replay CUDA graphs where they can (CUDA with the
-    # triton backend; elsewhere every step runs eager, said once in the log).
-    enforce_eager: bool = False
-    # KV tiers below the device pool (per rank): host memory, then local disk.
-    host_kv_gb: float = 0.0  # host tier size; 0 and host_kv_blocks None: no host tier
-    host_kv_blocks: Optional[int] = None  # host tier in blocks (wins over host_kv_gb)
-    # Disk tier directory, or a comma-separated list that blocks are striped over (one per
-    # drive); needs a host tier.
-    disk_kv_dir: Optional[str] = None
-    disk_kv_gb: float = 0.0  # disk tier size (all directories together)
-    disk_kv_blocks: Optional[int] = None  # disk tier in blocks (wins over disk_kv_gb)
-    kv_eviction: str = "lru"  # lru or hotness, at every tier
-    kv_hotness_decay: float = 0.95  # EMA decay per request of the hotness policy
-    kv_pin_threshold: float = 0.9  # hotness above which a block stays on the device
-    kv_snapshot_interval_s: float = 300.0  # how often the disk tier's index is saved
-    # When blocks go down a tier (kv/tiers/write_policy.py): write_through, write_through_selective
-    # (blocks hit kv_write_threshold times) or write_back (on eviction from the tier above).
-    kv_write_policy: str = "write_through"
-    kv_write_threshold: int = 1
-    kv_spill_gbps: Optional[float] = None  # bound on write-through spills per rank; None: none
+    attention_backend: str = option(
+        "auto", "attention kernels: torch (PyTorch reference) or triton (paged kernels; on CPU "
+                "only under TRITON_INTERPRET=1); auto: triton on CUDA, torch on CPU",
+        choices=ATTENTION_BACKENDS)
     # How long a collective of a TP group may wait (a hung rank fails the step after this; the
     # serving engine's watchdog also fails a step running past it, or past 10x recent steps).
-    step_timeout_s: float = 30.0
+    step_timeout_s: float = option(
+        30.0, "how long a collective of a TP group may wait, and the floor of the deadline "
+              "after which a serving group with a hung rank is declared failed (default 30)")
+    # True: no CUDA graphs. False: decode steps replay CUDA graphs where they can (CUDA with the
+    # triton backend; elsewhere every step runs eager, said once in the log).
+    enforce_eager: bool = option(
+        False, "no CUDA graphs: every decode step launches its kernels (by default decode steps "
+               "replay CUDA graphs on CUDA with the triton backend)")
+    # KV tiers below the device pool (per rank): host memory, then local disk.
+    # 0 and host_kv_blocks None: no host tier; host_kv_blocks wins over host_kv_gb
+    host_kv_gb: float = option(0.0, "host-memory KV tier in GiB (0: none)", group=TIERS)
+    host_kv_blocks: Optional[int] = option(
+        None, "host-memory KV tier in blocks (instead of --host-kv-gb)", group=TIERS)
+    # A directory, or a comma-separated list that blocks are striped over; needs a host tier.
+    disk_kv_dir: Optional[str] = option(
+        None, "directory of the disk KV tier, or a comma-separated list (one per drive) that its "
+              "blocks are striped over", group=TIERS)
+    disk_kv_gb: float = option(0.0, "disk KV tier in GiB (all directories together)",
+                               group=TIERS)
+    disk_kv_blocks: Optional[int] = option(
+        None, "disk KV tier in blocks (instead of --disk-kv-gb)", group=TIERS)
+    kv_eviction: str = option("lru", "eviction policy of every tier", choices=KV_EVICTIONS,
+                              group=TIERS)
+    kv_hotness_decay: float = option(  # EMA decay per request
+        0.95, "hotness: decay of the per-request moving average of accesses", group=TIERS)
+    kv_pin_threshold: float = option(
+        0.9, "hotness: blocks above this are held on the device (evicted only as a last "
+             "resort; a copy is kept on host)", group=TIERS)
+    kv_snapshot_interval_s: float = 300.0  # how often the disk tier's index is saved
+    # When blocks go down a tier (kv/tiers/write_policy.py).
+    kv_write_policy: str = option(
+        "write_through", "when a block goes down a tier: write_through (when released), "
+                         "write_through_selective (when released, once hit --kv-write-threshold "
+                         "times), write_back (when evicted above)",
+        choices=WRITE_POLICIES, group=TIERS)
+    kv_write_threshold: int = option(
+        1, "write_through_selective: prefix hits a block needs to go down", group=TIERS)
+    kv_spill_gbps: Optional[float] = option(
+        None, "bound on write-through spill bandwidth per rank in GB/s (default: none); spills "
+              "queue behind it and are dropped if evicted first", group=TIERS)
     # Keep a StepRecord per step (benchmarks): about 0.7 GB an hour in a busy server, so off.
     record_steps: bool = False
 
@@ -82,7 +119,7 @@ class EngineConfig:
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if not self.step_timeout_s > 0:
             raise ValueError(f"--step-timeout-s must be positive, got {self.step_timeout_s}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError("--attention-backend must be auto, torch or triton, "
                              f"got {self.attention_backend!r}")
         self._check_tiers()
@@ -96,7 +133,7 @@ class EngineConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, "
                                  f"got {getattr(self, name)}")
-        if self.kv_eviction not in ("lru", "hotness"):
+        if self.kv_eviction not in KV_EVICTIONS:
             raise ValueError(f"--kv-eviction must be lru or hotness, got {self.kv_eviction!r}")
         if not 0 < self.kv_hotness_decay < 1:
             raise ValueError(f"--kv-hotness-decay must be in (0, 1), got {self.kv_hotness_decay}")

@@ -78,7 +78,7 @@ def start_serve(attempts: int = 3) -> int:
 
 
 def build_bench_app(config: Any, router: str) -> Any:
-    """tpserve's application with the given router (``cluster.app.ROUTERS``)."""
+    """tpserve's application with the given router (``cluster.app_config.ROUTERS``)."""
     import ray
 
     from cluster.app import build_app
