@@ -13,8 +13,11 @@ A graph replays fixed addresses and shapes, so a decode step goes through static
 Inside the graph everything else is built on the device from those buffers: the block table
 (``DeviceBlockTables`` rows gathered, every column), positions, slots and context lengths. The
 decode kernel's split count is fixed per size from the longest context the model allows, so the
-launch never depends on the step. The all-reduces of a TP group are captured too (NCCL); the
-all-reduce timing events are not recorded while capturing.
+launch never depends on the step; which keys a split walks does, and each program reads it from
+its sequence's context length on the device (`kv.attention.triton_paged.decode_split_range`):
+a short context is spread over the splits in tiles and the splits past its end exit at once.
+The all-reduces of a TP group are captured too (NCCL); the all-reduce timing events are not
+recorded while capturing.
 
 Every size is captured while the rank starts (`capture_all`, as vLLM and SGLang do), largest
 first so that the smaller graphs reuse its pool's memory, each after a warm-up run of the same

@@ -13,6 +13,7 @@ import os
 # on a GPU instead.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import dataclasses  # noqa: E402
 import random  # noqa: E402
 
 import pytest  # noqa: E402
@@ -68,17 +69,26 @@ class Step:
         return backend.forward(self.query, self.new_k, self.new_v, k_cache, v_cache, meta,
                                self.head_dim ** -0.5)
 
-    def run_kernels(self, min_split_keys):
-        """The Triton kernels alone, with ``min_split_keys`` to force many decode splits."""
+    def run_kernels(self, min_split_keys, max_decode_keys=None):
+        """The Triton kernels alone, with ``min_split_keys`` to force many decode splits, and
+        ``max_decode_keys`` to size the decode launch for longer contexts than the step's (as a
+        CUDA graph sized for ``max_model_len`` does). The decode partials start as NaN: a split
+        the combine reads must have written its slot."""
         meta = build_block_table_metadata(self.seqs, self.block_size, CPU, [self.window])[0]
+        if max_decode_keys is not None:
+            meta = dataclasses.replace(meta, max_decode_keys=max_decode_keys)
         k_cache, v_cache = self.k_cache.clone(), self.v_cache.clone()
         k_cache[meta.slot_mapping], v_cache[meta.slot_mapping] = self.new_k, self.new_v
         out = torch.full((self.query.shape[0], self.query.shape[1] * self.head_dim),
                          float("nan"), dtype=self.query.dtype)
         scale = self.head_dim ** -0.5
         if meta.num_decodes:
-            triton_attention.paged_decode(self.query, k_cache, v_cache, meta, scale, out,
-                                          min_split_keys=min_split_keys)
+            launches = triton_attention.decode_launches(self.query, k_cache, v_cache, meta,
+                                                        scale, out, min_split_keys)
+            for partial in launches[0].args[8:11]:  # part_out, part_max, part_sum
+                partial.fill_(float("nan"))
+            for launch in launches:
+                launch.launch()
         if meta.prefill_ids.shape[0]:
             triton_attention.paged_prefill(self.query, k_cache, v_cache, meta,
                                            meta.prefill_ids, scale, out)
@@ -160,3 +170,85 @@ def test_metadata_per_window():
     assert full.fresh_prefills == ((1, 21), (21, 26)) and windowed.fresh_prefills == ((21, 26),)
     assert windowed.cached_prefill_ids.tolist() == [1]
     assert windowed.block_table is full.block_table
+
+
+def decodes(contexts):
+    """(cached, new) shapes of one decode per context length."""
+    return [(context - 1, 1) for context in contexts]
+
+
+def num_splits_of(step, max_decode_keys, min_split_keys=triton_attention.MIN_SPLIT_KEYS):
+    return triton_attention.num_decode_splits(len(step.seqs), step.k_cache.shape[1],
+                                              max_decode_keys, min_split_keys)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_decodes_far_below_max_model_len(group):
+    """A launch sized for 8,192 keys (32 splits) over contexts of 1..300: each sequence spreads
+    its own keys over the splits, the rest exit, and the result is the reference's."""
+    contexts = [1, 2, 63, 64, 65, 129, 300]
+    step = Step(decodes(contexts), 2 * group, 2, 64, 16, None, torch.float32, seed=group)
+    assert num_splits_of(step, 8192) == 32
+    check(step, step.run_kernels(triton_attention.MIN_SPLIT_KEYS, max_decode_keys=8192))
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_decode_split_edges(window):
+    """Contexts at and around multiples of the tile (64) and of a split's share (32 splits of
+    one tile: 2,048 keys), and a context of one key; with a window the edges move to ``first``."""
+    contexts = [1, 64, 65, 127, 128, 2047, 2048, 2049]
+    step = Step(decodes(contexts), 4, 1, 16, 16, window, torch.float32, seed=7)
+    assert num_splits_of(step, 8192) == 32
+    check(step, step.run_kernels(triton_attention.MIN_SPLIT_KEYS, max_decode_keys=8192))
+
+
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(contexts=st.lists(st.integers(1, 300), min_size=1, max_size=4),
+       group=st.sampled_from([1, 2, 4, 8]), kv_heads=st.sampled_from([1, 2]),
+       head_dim=st.sampled_from([16, 64]), block_size=st.sampled_from([1, 16]),
+       window=st.one_of(st.none(), st.integers(1, 200)),
+       max_decode_keys=st.sampled_from([300, 2048, 8192]), seed=st.integers(0, 2 ** 16))
+def test_decodes_sized_for_longer_contexts_match_reference(contexts, group, kv_heads, head_dim,
+                                                           block_size, window, max_decode_keys,
+                                                           seed):
+    step = Step(decodes(contexts), group * kv_heads, kv_heads, head_dim, block_size, window,
+                torch.float32, seed)
+    check(step, step.run_kernels(triton_attention.MIN_SPLIT_KEYS, max_decode_keys))
+
+
+def test_a_short_context_uses_a_tile_per_split_under_a_long_launch():
+    split_range = triton_attention.decode_split_range
+    ranges = [split_range(0, 300, s, 8, 64) for s in range(8)]
+    assert ranges[:5] == [(0, 64), (64, 128), (128, 192), (192, 256), (256, 300)]
+    assert all(start >= end for start, end in ranges[5:])
+    assert split_range(0, 1, 0, 32, 64) == (0, 1)  # a context of one key: split 0 alone
+    assert split_range(0, 1, 1, 32, 64)[0] >= 1
+    assert split_range(40, 300, 0, 8, 64) == (40, 104)  # a window: tiles from the first key
+    assert triton_attention.decode_num_nonempty_splits(0, 300, 8, 64) == 5
+    assert triton_attention.decode_num_nonempty_splits(0, 8192, 8, 64) == 8
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(first=st.integers(0, 5000), num_keys=st.integers(1, 20000),
+       num_splits=st.integers(1, 600), block_n=st.sampled_from([16, 32, 64]))
+def test_split_ranges_tile_each_context_and_are_bounded_by_it(first, num_keys, num_splits,
+                                                              block_n):
+    """The splits of a context cover its keys once, in order, in whole tiles from its first key;
+    a program visits at most ceil(tiles / splits) tiles of its own context (never more because
+    the launch was sized for longer ones); the empty splits are the last ones."""
+    context_len = first + num_keys
+    num_tiles = -(-num_keys // block_n)
+    ranges = [triton_attention.decode_split_range(first, context_len, s, num_splits, block_n)
+              for s in range(num_splits)]
+    nonempty = [(start, end) for start, end in ranges if start < end]
+    num_nonempty = triton_attention.decode_num_nonempty_splits(first, context_len, num_splits,
+                                                               block_n)
+    assert ranges[:num_nonempty] == nonempty
+    covered = [k for start, end in nonempty for k in (start, end)]
+    assert covered[0] == first and covered[-1] == context_len
+    assert covered[1:-1:2] == covered[2:-1:2]  # each split starts where the last one ended
+    for start, end in nonempty:
+        assert (start - first) % block_n == 0
+        assert -(-(end - start) // block_n) <= -(-num_tiles // num_splits)
+    assert sum(-(-(end - start) // block_n) for start, end in nonempty) == num_tiles
