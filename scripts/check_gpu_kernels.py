@@ -71,6 +71,7 @@ class Shape:
 
 SHAPES = (
     Shape("SmolLM2-135M", 9, 3, 64),  # GQA 3: a group padded to 4 rows
+    Shape("Llama-2-7B", 32, 32, 128),  # MHA: one query row per decode tile
     Shape("Llama-3.2-1B", 32, 8, 64),
     Shape("Llama-3.1-8B", 32, 8, 128),
     Shape("Qwen2.5-7B", 28, 4, 128),  # GQA 7
