@@ -39,6 +39,11 @@ class IncrementalDetokenizer:
         self._held = ""  # decoded, not emitted: it may be the start of a stop string
         self.is_stopped = False
 
+    @property
+    def num_window_ids(self) -> int:
+        """How many token ids the next step decodes (twice): the window's length."""
+        return len(self._ids) - self._prefix_offset + 1
+
     def add_token(self, token_id: int, can_stop: bool = True) -> Tuple[str, bool]:
         """Append a token; returns the text to emit now (possibly empty) and whether a stop
         string matched (the request ends there: nothing more is emitted, flush included).
