@@ -11,7 +11,9 @@ character. The window stays a few tokens long whatever the output:
   the window starts ``_TAIL`` tokens before them. A character, or an invalid byte sequence that
   decodes to one U+FFFD, spans at most 4 bytes, so ``_TAIL`` tokens of context on each side of
   that boundary decode it as the whole window did; the move is checked against the whole
-  window's text and waits a token where they differ.
+  window's text and waits a token where they differ. A byte-fallback decoder (Llama, Mistral)
+  judges a whole run of byte tokens at once, so the window moves on only between runs: a long
+  run of byte tokens still grows it there.
 
 The text is, to the character, what the unbounded window gave (``ReferenceDetokenizer`` in
 ``scripts/bench_detokenizer.py``; ``tests/workers/test_detokenizer_window.py`` compares them).
@@ -47,6 +49,19 @@ def skipped_special_ids(tokenizer) -> FrozenSet[int]:
     return frozenset(tokenizer.all_special_ids)
 
 
+@lru_cache(maxsize=16)
+def byte_fallback_ids(tokenizer) -> FrozenSet[int]:
+    """The byte tokens (``<0x80>``) of a tokenizer whose decoder falls back to bytes; empty for
+    others. Such a decoder judges a whole run of byte tokens at once (invalid UTF-8 anywhere in
+    it: one U+FFFD per byte), so no window may start inside a run."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or "ByteFallback" not in repr(backend.decoder):
+        return frozenset()
+    vocab = backend.get_vocab()
+    return frozenset(vocab[name] for name in (f"<0x{byte:02X}>" for byte in range(256))
+                     if name in vocab)
+
+
 class IncrementalDetokenizer:
     """One request's output text. Per token it costs two decodes of a window of at most about
     16 tokens (four more while a run of incomplete characters moves it on) and
@@ -59,6 +74,7 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = include_stop_str_in_output
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self._skipped_ids = skipped_special_ids(tokenizer)
+        self._byte_ids = byte_fallback_ids(tokenizer)
         self._ids = list(prompt_token_ids[-_PREFIX_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -124,6 +140,8 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         cut = len(self._ids) - _TAIL
         start = cut - _TAIL
+        if self._ids[cut - 1] in self._byte_ids and self._ids[cut] in self._byte_ids:
+            return
         upto_cut = decode(self._ids[self._prefix_offset:cut], skip_special_tokens=True)
         context = decode(self._ids[start:cut], skip_special_tokens=True)
         window = decode(self._ids[start:], skip_special_tokens=True)

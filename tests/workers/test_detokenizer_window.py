@@ -51,10 +51,10 @@ def test_a_long_run_of_bytes_that_make_no_character_does_not_grow_the_window(tok
     assert max(feed(tokenizer, ids)) <= MAX_WINDOW
 
 
-def run(cls, tokenizer, token_ids: Sequence[int], stop: Sequence[str], include: bool,
-        min_tokens: int) -> Tuple[List[str], str, bool]:
+def run(cls, tokenizer, token_ids: Sequence[int], stop: Sequence[str] = (), include: bool = False,
+        min_tokens: int = 0, prompt: str = PROMPT) -> Tuple[List[str], str, bool]:
     """The deltas (the flush's last), the text and whether a stop matched, as the engine feeds."""
-    detok = cls(tokenizer, tokenizer.encode(PROMPT), stop, include_stop_str_in_output=include)
+    detok = cls(tokenizer, tokenizer.encode(prompt), stop, include_stop_str_in_output=include)
     deltas = []
     for count, token_id in enumerate(token_ids, start=1):
         delta, stopped = detok.add_token(token_id, can_stop=count > min_tokens)
@@ -66,13 +66,44 @@ def run(cls, tokenizer, token_ids: Sequence[int], stop: Sequence[str], include: 
 
 
 def byte_token_ids(tokenizer) -> List[int]:
-    """The id of each byte's token, in byte order (GPT-2's byte-to-character map)."""
+    """The id of each byte's token, in byte order: byte-fallback tokens (``<0x41>``) or GPT-2's
+    byte-to-character map of byte-level BPE."""
+    fallback = tokenizer.convert_tokens_to_ids([f"<0x{byte:02X}>" for byte in range(256)])
+    if tokenizer.unk_token_id not in fallback:
+        return fallback
     printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
     chars, num_unprintable = [], 0
     for byte in range(256):
         chars.append(chr(byte) if byte in printable else chr(256 + num_unprintable))
         num_unprintable += byte not in printable
     return tokenizer.convert_tokens_to_ids(chars)
+
+
+def sentencepiece_like():
+    """A Llama-style tokenizer: "▁" for spaces, byte-fallback tokens for what the vocabulary
+    lacks, the first space of a decoded text stripped (so a window's start matters)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{byte:02X}>": 3 + byte for byte in range(256)})
+    pieces = ["\u2581", *"abUs:\n", "\u2581a", "\u2581b", "\u2581U", "ab", "\u2581ab", "Us",
+              "\u2581Us"]
+    vocab.update({piece: 259 + i for i, piece in enumerate(pieces)})
+    merges = [("\u2581", "a"), ("\u2581", "b"), ("\u2581", "U"), ("a", "b"), ("\u2581a", "b"),
+              ("U", "s"), ("\u2581U", "s")]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                           normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+@pytest.fixture(scope="module", params=["byte_level", "sentencepiece_like"])
+def any_tokenizer(request, tokenizer):
+    return tokenizer if request.param == "byte_level" else sentencepiece_like()
 
 
 ALPHABET = "ab U:s\n\u00e9\u20ac\U0001f642"
@@ -93,16 +124,42 @@ def outputs(draw, tokenizer) -> List[int]:
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), include=st.booleans(), min_tokens=st.sampled_from([0, 0, 3, 20]))
-def test_the_text_and_every_delta_are_the_reference_ones(tokenizer, data, include, min_tokens):
+@given(data=st.data(), include=st.booleans(), min_tokens=st.sampled_from([0, 0, 3, 20]),
+       prompt=st.sampled_from([PROMPT, "ab Us"]))  # ending in byte tokens, or not
+def test_the_text_and_every_delta_are_the_reference_ones(any_tokenizer, data, include,
+                                                         min_tokens, prompt):
+    tokenizer = any_tokenizer
     token_ids = data.draw(outputs(tokenizer))
-    full = tokenizer.decode(token_ids, skip_special_tokens=True)
+    # The output decoded after the prompt (a tokenizer may strip a text's first space).
+    prompt_ids = tokenizer.encode(prompt)
+    prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    full = tokenizer.decode(prompt_ids + token_ids, skip_special_tokens=True)[len(prompt_text):]
     stop = data.draw(st.lists(
         st.tuples(st.integers(0, len(full)), st.integers(1, 4)).map(
             lambda at: full[at[0]:at[0] + at[1]]).filter(bool), max_size=3))
-    ours = run(IncrementalDetokenizer, tokenizer, token_ids, stop, include, min_tokens)
-    assert ours == run(ReferenceDetokenizer, tokenizer, token_ids, stop, include, min_tokens)
+    ours = run(IncrementalDetokenizer, tokenizer, token_ids, stop, include, min_tokens, prompt)
+    assert ours == run(ReferenceDetokenizer, tokenizer, token_ids, stop, include, min_tokens,
+                       prompt)
     deltas, text, _ = ours
     assert "".join(deltas) == text
-    if not stop:
+    # Byte-fallback decoding turns a run of bytes that is not UTF-8 into one U+FFFD per byte,
+    # judged on the whole run, where streaming emits a character once it is complete (the old
+    # window too): bytes C2 80 80 stream as "\x80\ufffd", decode as three U+FFFD.
+    is_byte_fallback = "<0x80>" in tokenizer.get_vocab()
+    if not stop and not (is_byte_fallback and "\ufffd" in full):
         assert text == full
+
+
+@pytest.mark.parametrize("output_bytes", [
+    [0x80, 0x41, 0x41, 0x41, 0x41, 0xE2, 0x82, 0xAC, 0x41],
+    [0x80] + [0x41] * 8 + [0xE2, 0x82, 0xAC],
+])
+def test_a_byte_fallback_run_made_invalid_early_stays_invalid(output_bytes):
+    # The run's last bytes make characters, but its first does not: the decoder gives one U+FFFD
+    # per byte, so a window that started inside the run would stream "A\u20ac".
+    tokenizer = sentencepiece_like()
+    byte_ids = byte_token_ids(tokenizer)
+    token_ids = [byte_ids[byte] for byte in output_bytes]
+    ours = run(IncrementalDetokenizer, tokenizer, token_ids, prompt="ab Us")
+    assert ours == run(ReferenceDetokenizer, tokenizer, token_ids, prompt="ab Us")
+    assert ours[1] == "\ufffd" * len(output_bytes)
