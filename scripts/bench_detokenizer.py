@@ -56,8 +56,9 @@ def output_ids(tokenizer, workload: str, length: int) -> List[int]:
         return text_ids[:length]
     if workload == "special":
         filler = tokenizer.eos_token_id
-    else:
-        filler = next(i for i in range(len(tokenizer)) if tokenizer.decode([i, i]) == "\ufffd\ufffd")
+    else:  # a byte that neither starts nor continues a character: each decodes to U+FFFD
+        filler = next(i for i in range(len(tokenizer))
+                      if tokenizer.decode([i, i]) == "\ufffd\ufffd")
     return text_ids[:10] + [filler] * (length - 10)
 
 
