@@ -64,8 +64,9 @@ def byte_fallback_ids(tokenizer) -> FrozenSet[int]:
 
 class IncrementalDetokenizer:
     """One request's output text. Per token it costs two decodes of a window of at most about
-    16 tokens (four more while a run of incomplete characters moves it on) and
-    O(stops x longest stop^2) character comparisons; memory is the text itself."""
+    16 tokens (longer only inside a run of byte-fallback tokens), four more decodes of as many
+    while a run of incomplete characters moves the window on, and O(stops x longest stop^2)
+    character comparisons; memory is the text itself."""
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
                  include_stop_str_in_output: bool = False) -> None:
