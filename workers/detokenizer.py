@@ -64,7 +64,7 @@ def byte_fallback_ids(tokenizer) -> FrozenSet[int]:
 
 class IncrementalDetokenizer:
     """One request's output text. Per token it costs two decodes of a window of at most about
-    16 tokens (longer only inside a run of byte-fallback tokens), four more decodes of as many
+    16 tokens (longer only inside a run of byte-fallback tokens), three more decodes of as many
     while a run of incomplete characters moves the window on, and O(stops x longest stop^2)
     character comparisons; memory is the text itself."""
 
