@@ -22,7 +22,7 @@ MAX_FUNCTION_LINES = 80
 GENERATED = ("cluster/proto/",)
 
 
-def sources(roots=PACKAGES + ("scripts",)) -> Iterator[Path]:
+def sources(roots=PACKAGES + ("scripts", "tests")) -> Iterator[Path]:
     for root in roots:
         for path in sorted((REPO / root).rglob("*.py")):
             rel = path.relative_to(REPO).as_posix()
