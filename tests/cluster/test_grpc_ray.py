@@ -1,7 +1,7 @@
 """The gRPC API (``tpserve.v1.TPServe``) through Ray Serve's gRPC proxy on a real local Ray,
 called with a ``grpcio`` client, beside the HTTP API of the same ingress.
 
-The group is ``test_ingress_ray``'s: the real ``AsyncLLMEngine`` over a tiny checkpoint, streamed
+The group is ``ingress_app``'s (the ingress tests'): the real ``AsyncLLMEngine`` over a tiny checkpoint, streamed
 with the group deployment's own ``stream_chunks``, with slow steps and failures on demand. Here it
 takes at most 2 requests at once and queues 2 more, so a burst overloads it, and the ingress
 migrates no request (``max_migrations=0``), so a group that fails mid-request fails the call.
@@ -21,13 +21,13 @@ ray = pytest.importorskip("ray")
 grpc = pytest.importorskip("grpc")
 from ray import cloudpickle, serve  # noqa: E402
 
-import test_ingress_ray  # noqa: E402
+import ingress_app  # noqa: E402
 from cluster.api.grpc_service import grpc_options  # noqa: E402
 from cluster.api.ingress import build_ingress  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
 from cluster.proto.tpserve.v1 import tpserve_pb2 as pb  # noqa: E402
 from cluster.proto.tpserve.v1 import tpserve_pb2_grpc as pb_grpc  # noqa: E402
-from test_ingress_ray import BLOCK_SIZE, TinyGroup  # noqa: E402
+from ingress_app import BLOCK_SIZE, TinyGroup  # noqa: E402
 from tiny_models import hf_greedy  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
 from workers.tokenizer import load_tokenizer  # noqa: E402
@@ -43,7 +43,7 @@ MAX_ONGOING, MAX_QUEUED = 2, 2
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    cloudpickle.register_pickle_by_value(test_ingress_ray)
+    cloudpickle.register_pickle_by_value(ingress_app)
     http_port, grpc_port = free_port(), free_port()
     ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1",
              include_dashboard=False, log_to_driver=False)
