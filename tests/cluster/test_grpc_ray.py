@@ -27,10 +27,9 @@ from cluster.api.ingress import build_ingress  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
 from cluster.proto.tpserve.v1 import tpserve_pb2 as pb  # noqa: E402
 from cluster.proto.tpserve.v1 import tpserve_pb2_grpc as pb_grpc  # noqa: E402
-from ingress_app import BLOCK_SIZE, TinyGroup  # noqa: E402
+from ingress_app import BLOCK_SIZE, TinyGroup, group, tokenizer  # noqa: E402,F401 (fixtures)
 from tiny_models import hf_greedy  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
-from workers.tokenizer import load_tokenizer  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -68,18 +67,6 @@ def server(tiny_llama):
 @pytest.fixture(scope="module")
 def stub(server):
     return server["stub"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama):
-    return load_tokenizer(tiny_llama)
-
-
-@pytest.fixture
-def group(server):
-    group = server["group"]
-    yield group
-    group.configure.remote().result()
 
 
 def http(server, path, body=None, key=API_KEY):
