@@ -10,24 +10,25 @@ they have completed (see ``parallel.latency``): the timing never makes the host 
 A sample is then the collective's time on the device, from the stream reaching it (after the work
 queued before it) to its end, waiting for the slowest rank included.
 
-Every collective that raises (a peer died, the group timed out) is counted
-(``num_collective_errors``) before the error goes on up: the serving layer exports the count.
+Every collective that raises (a peer died, the group timed out) is counted by kind
+(``collective_errors``, see `parallel.collective_errors`) before the error goes on up: the
+serving layer exports the counts of every rank.
 
 A group of size 1 has no process groups and every collective is a no-op.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from datetime import timedelta
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, ContextManager, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
 
+from parallel.collective_errors import CollectiveErrors
 from parallel.latency import LatencyRecorder, SampledEventTimer
 from parallel.rendezvous import announce, listening_store
 
@@ -78,7 +79,7 @@ class TPGroup:
     startup_group: Optional[dist.ProcessGroup] = None
     all_reduce_latency: LatencyRecorder = field(default_factory=LatencyRecorder)
     all_reduce_timing_interval: int = 64  # on CUDA, time one all-reduce in this many
-    num_collective_errors: int = 0  # collectives of this rank that raised
+    collective_errors: CollectiveErrors = field(default_factory=CollectiveErrors)
     _event_timer: Optional[SampledEventTimer] = field(default=None, init=False, repr=False,
                                                       compare=False)
 
@@ -100,14 +101,16 @@ class TPGroup:
         if self.startup_group is not None:
             dist.barrier(group=self.startup_group)
 
-    @contextlib.contextmanager
-    def counting_errors(self) -> Iterator[None]:
-        """Around a collective (this group's or one on ``cpu_group``): counts it if it raises."""
-        try:
-            yield
-        except Exception:
-            self.num_collective_errors += 1
-            raise
+    def counting_errors(self, not_collective: Tuple[Type[BaseException], ...] = ()
+                        ) -> ContextManager[None]:
+        """Around a collective (this group's or one on ``cpu_group``): counts it by kind if it
+        raises (``not_collective``: see ``CollectiveErrors.counting``)."""
+        return self.collective_errors.counting(not_collective)
+
+    @property
+    def num_collective_errors(self) -> int:
+        """This rank's failed collectives, every kind."""
+        return self.collective_errors.total
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks in place (timed); returns it."""
