@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from parallel.collective_errors import CollectiveErrors, error_kind, sum_counts
 from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
-from test_tp_group_timing import run_two_ranks
+from two_ranks import run_two_ranks
 from workers.multiproc import free_tcp_init_method
 
 
