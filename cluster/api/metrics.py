@@ -1,13 +1,14 @@
 """The ingress's request metrics: time to first token, inter-token and end-to-end latency, token
 counts and finish reasons in its own Prometheus registry (``IngressMetrics``), timed per request by
-``RequestTimer``; ``IngressMetrics.render`` adds the groups' numbers from the metrics store and the
-router's decision counts (`cluster.metrics`) to make the ``/metrics`` text."""
+``RequestTimer``; ``IngressMetrics.render`` adds the groups' numbers from the metrics store, the
+router's decision counts (`cluster.metrics`) and this replica's requests in flight against its
+limit (`cluster.api.admission`) to make the ``/metrics`` text."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 from prometheus_client import (
     CollectorRegistry,
@@ -16,7 +17,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from cluster.metrics import (
     E2E_BUCKETS,
@@ -92,6 +93,11 @@ class IngressMetrics:
         self.grpc_requests = Counter(PREFIX + "grpc_requests", "gRPC calls by method and status",
                                      lbl + ["method", "code"], registry=reg)
         self._mirror = RayMetricsMirror() if export_to_ray else None
+        self._admission: Optional[_Admission] = None
+
+    def track_admission(self, admission: "_Admission") -> None:
+        """Export ``admission``'s requests in flight and its limit with every render."""
+        self._admission = admission
 
     def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> _HistogramSpec:
         metric = Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry,
@@ -145,6 +151,8 @@ class IngressMetrics:
             for cause, n in sorted(group_failures.items()):
                 failures.add_metric([self.model_name, cause], n)
             families.append(failures)
+        if self._admission is not None:
+            families += self._admission_families(self._admission)
         decisions = CounterMetricFamily(PREFIX + "router_decisions",
                                         "RankedGroup decisions by reason", labels=["reason"])
         for reason, n in sorted(router_counts.items()):
@@ -153,6 +161,26 @@ class IngressMetrics:
         scrape = CollectorRegistry(auto_describe=False)
         scrape.register(_Families(families))
         return generate_latest(self.registry) + generate_latest(scrape)
+
+
+    def _admission_families(self, admission: "_Admission") -> List[Metric]:
+        out = []
+        for name, doc, value in (
+                ("ingress_requests_in_flight", "Generation requests this ingress replica holds",
+                 admission.num_in_flight),
+                ("ingress_max_requests_in_flight", "The limit on them (429 beyond it)",
+                 admission.max_in_flight)):
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            out.append(family)
+        return out
+
+
+class _Admission(Protocol):
+    """What is read of ``cluster.api.admission.IngressAdmission``."""
+
+    num_in_flight: int
+    max_in_flight: int
 
 
 def _one_two_five_buckets(limit: int) -> Tuple[float, ...]:

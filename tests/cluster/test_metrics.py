@@ -253,3 +253,18 @@ def test_collective_errors_by_kind_and_gpu_memory_by_rank_rendered():
     assert samples[("tpserve:gpu_memory_used_bytes", labels(**g0, rank="1"))] == 70e9
     assert samples[("tpserve:gpu_memory_total_bytes", labels(**g0, rank="0"))] == 80e9
     assert "CUDA-graph replays" in families["tpserve:allreduce_latency_seconds"].documentation
+
+
+def test_requests_in_flight_and_their_limit_rendered():
+    from cluster.api.admission import IngressAdmission
+
+    ingress = im.IngressMetrics("tiny", 256)
+    admission = IngressAdmission(max_in_flight=8)
+    ingress.track_admission(admission)
+    release = admission.acquire(count=3)
+    _, samples = parse(ingress.render({}, {}))
+    assert samples[("tpserve:ingress_requests_in_flight", labels(model_name="tiny"))] == 3
+    assert samples[("tpserve:ingress_max_requests_in_flight", labels(model_name="tiny"))] == 8
+    release()
+    _, samples = parse(ingress.render({}, {}))
+    assert samples[("tpserve:ingress_requests_in_flight", labels(model_name="tiny"))] == 0
