@@ -143,6 +143,7 @@ class OpenAIIngress:
                                           max_wait_s=self._limits.request_timeout_s)
         self._admission = IngressAdmission(self._limits.max_in_flight,
                                            self._limits.retry_after_s)
+        self.metrics.track_admission(self._admission)
         self._requests = GroupRequests(group_handle, block_size, self.prompts, self.metrics,
                                        self._migration, self._admission)
         # One ingress per replica process: its /openapi.json names the model it serves.
