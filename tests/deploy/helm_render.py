@@ -30,10 +30,19 @@ CRD_KINDS = {"RayService", "PodMonitor", "PrometheusRule"}
 KEY_FILE = "/etc/tpserve/api-key/key"
 
 
-def render(values: Optional[Dict] = None, name: str = "demo") -> List[Dict]:
+NOTES = "tpserve/templates/NOTES.txt"
+
+
+def render_text(values: Optional[Dict] = None, name: str = "demo") -> Dict[str, str]:
+    """Each template's output, NOTES.txt (what `helm install` prints) included."""
     with helm.Chart.load(str(CHART)) as chart:
-        manifests = chart.render(values or {}, name=name, namespace="llm")
-    return [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
+        return chart.render(values or {}, name=name, namespace="llm")
+
+
+def render(values: Optional[Dict] = None, name: str = "demo") -> List[Dict]:
+    manifests = render_text(values, name)
+    return [doc for path, text in manifests.items() if path != NOTES
+            for doc in yaml.safe_load_all(text) if doc]
 
 
 def ci_values(path: Path) -> Dict:

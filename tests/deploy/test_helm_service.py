@@ -8,8 +8,8 @@ import base64
 
 import pytest
 
-from helm_render import (KEY_FILE, app_args, by_name, ci_file, head, helm, kinds, only,
-                         pod_templates, render)
+from helm_render import (KEY_FILE, NOTES, app_args, by_name, ci_file, head, helm, kinds, only,
+                         pod_templates, render, render_text)
 
 
 def secret_names(service) -> set:
@@ -27,6 +27,11 @@ def test_by_default_the_pods_read_a_secret_the_user_makes():
     assert secret_names(service) == {"demo-tpserve-api-key"}
     args = app_args(service)
     assert args["api_key_file"] == KEY_FILE and "api_key_env" not in args
+    # `helm install` says which Secret to make, and how.
+    notes = render_text()[NOTES]
+    assert "kubectl -n llm create secret generic demo-tpserve-api-key --from-literal=api-key=" \
+        in notes
+    assert "create secret" not in render_text(ci_file("ha-upgrade-values.yaml"))[NOTES]
 
 
 def test_renders_are_the_same_every_time():
