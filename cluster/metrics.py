@@ -6,12 +6,12 @@ measures what only it sees (time to first token, inter-token and end-to-end late
 counts) in its own ``IngressMetrics`` (`cluster.api.metrics`). ``/metrics`` renders both,
 plus the router's decision counts, in the Prometheus text format, under vLLM's metric names
 with the prefix ``tpserve:`` (``vllm:kv_cache_usage_perc`` -> ``tpserve:kv_cache_usage_perc``).
+Each ingress replica also pushes its own numbers to the store, which sums them
+(`cluster.api.replica_totals`), so ``/metrics`` is the same whichever replica answers.
 
 The same numbers go to Ray's own metrics export through ``ray.util.metrics``. Ray 2.60 warns
 about ``:`` in names, so there they are ``tpserve_*``, and Ray's exporter prefixes ``ray_``:
-``ray_tpserve_time_to_first_token_seconds``. The ``/metrics`` latency histograms are those of
-the ingress replica that answered; with several ingress replicas, Ray's export (one series per
-process) is the cluster-wide view.
+``ray_tpserve_time_to_first_token_seconds`` (one series per process).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+
+from cluster.api.replica_totals import FamilySnapshot, ReplicaSnapshot, ReplicaTotals
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +154,15 @@ class MetricsStore:
         self._failures: Dict[str, int] = {cause: 0 for cause in GROUP_FAILURE_CAUSES}
         self._info: Dict[str, Dict[str, Any]] = {}
         self._mirror = RayMetricsMirror() if export_to_ray else None
+        self._ingress = ReplicaTotals(stale_after_s)
+
+    def push_ingress(self, snapshot: ReplicaSnapshot) -> None:
+        """An ingress replica's own numbers (`cluster.api.replica_totals`)."""
+        self._ingress.push(snapshot)
+
+    def ingress_families(self) -> List[FamilySnapshot]:
+        """The ingress replicas' numbers, summed (`ReplicaTotals.families`)."""
+        return self._ingress.families()
 
     def push(self, group_id: str, snapshot: Mapping[str, Any]) -> None:
         record = self._groups.get(group_id)
