@@ -1,118 +1,17 @@
-"""helm/tpserve: linted and rendered by Helm itself (the `helm-python-sdk` package embeds Helm's Go
-SDK; no helm binary), with the default values and every ci/*.yaml. Each RayService is validated
-against KubeRay's CRD schema (tests/data/kuberay, KubeRay v1.7.0) and checked for fields the CRD
-does not know (it does not forbid them), each pod template and core object with
-`kubernetes-validate` (strict), and serveConfigV2 with Serve's own schema and tpserve's own
-args parser. Bad values fail the render with a message naming the value."""
+"""helm/tpserve: linted and rendered by Helm with the default values and every ci/*.yaml, each
+render validated (helm_render.check_rendered); the shapes of the groups; Chart.yaml's stated
+requirements; bad values fail the render with a message naming the value. Pod settings are in
+test_helm_pods.py, the RayService's own settings and the API key in test_helm_service.py."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Dict, List, Optional
 
-import jsonschema
 import pytest
 import yaml
 
-helm = pytest.importorskip("helm_python")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
-
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "helm" / "tpserve"
-CI_FILES = sorted((CHART / "ci").glob("*.yaml"))
-RAYSERVICE_SCHEMA = Path(__file__).resolve().parents[1] / "data" / "kuberay" / \
-    "rayservice_v1.schema.json"
-K8S_VERSION = "1.33.0"
-CORE_KINDS = {"Secret", "ConfigMap"}
-CRD_KINDS = {"RayService", "PodMonitor", "PrometheusRule"}
-
-
-def render(values: Optional[Dict] = None, name: str = "demo") -> List[Dict]:
-    with helm.Chart.load(str(CHART)) as chart:
-        manifests = chart.render(values or {}, name=name, namespace="llm")
-    return [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
-
-
-def ci_values(path: Path) -> Dict:
-    return yaml.safe_load(path.read_text())
-
-
-def only(docs: List[Dict], kind: str) -> Dict:
-    (doc,) = [d for d in docs if d["kind"] == kind]
-    return doc
-
-
-def workers(service: Dict) -> List[Dict]:
-    return service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
-
-
-def container(pod_template: Dict) -> Dict:
-    return pod_template["spec"]["containers"][0]
-
-
-def serve_config(service: Dict) -> Dict:
-    return yaml.safe_load(service["spec"]["serveConfigV2"])
-
-
-def app_args(service: Dict) -> Dict:
-    (app,) = serve_config(service)["applications"]
-    return app["args"]
-
-
-def unknown_fields(doc, schema: Dict, path: str = "") -> List[str]:
-    """Keys of ``doc`` that the (structural, OpenAPI) schema does not define."""
-    found = []
-    if isinstance(doc, dict) and "properties" in schema \
-            and not schema.get("x-kubernetes-preserve-unknown-fields"):
-        for key, value in doc.items():
-            if key not in schema["properties"]:
-                found.append(f"{path}.{key}")
-            else:
-                found += unknown_fields(value, schema["properties"][key], f"{path}.{key}")
-    elif isinstance(doc, dict) and isinstance(schema.get("additionalProperties"), dict):
-        for key, value in doc.items():
-            found += unknown_fields(value, schema["additionalProperties"], f"{path}.{key}")
-    elif isinstance(doc, list) and "items" in schema:
-        for i, item in enumerate(doc):
-            found += unknown_fields(item, schema["items"], f"{path}[{i}]")
-    return found
-
-
-def check_rendered(docs: List[Dict]) -> None:
-    schema = json.loads(RAYSERVICE_SCHEMA.read_text())
-    for doc in docs:
-        assert doc["kind"] in CORE_KINDS | CRD_KINDS, doc["kind"]
-        if doc["kind"] in CORE_KINDS:
-            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-    service = only(docs, "RayService")
-    assert service["apiVersion"] == "ray.io/v1"
-    jsonschema.validate(service, schema)
-    assert unknown_fields(service, schema) == []
-    cluster = service["spec"]["rayClusterConfig"]
-    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in workers(service)]
-    for template in templates:
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", **template["metadata"]},
-               "spec": template["spec"]}
-        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
-
-
-def check_serve_config(service: Dict) -> Dict:
-    """serveConfigV2 is a Serve config file that Serve accepts and whose tpserve application
-    tpserve's own parser accepts; returns the application's args."""
-    from ray.serve.schema import ServeDeploySchema
-
-    from cluster.serve_config import IMPORT_PATH, serve_config_from_args
-
-    config = serve_config(service)
-    ServeDeploySchema.model_validate(config)
-    (app,) = config["applications"]
-    assert app["import_path"] == IMPORT_PATH
-    serve_config_from_args(app["args"], {"TPSERVE_API_KEY": "from-the-secret"})
-    return app["args"]
-
-
-# ----- lint and render -----
+from helm_render import (CHART, CI_FILES, app_args, check_rendered, check_serve_config, ci_file,
+                         ci_values, container, helm, kinds, only, render, workers)
 
 
 @pytest.mark.parametrize("values_file", [None] + CI_FILES, ids=lambda p: p.name if p else "default")
@@ -123,13 +22,13 @@ def test_lint_is_clean(values_file):
 
 
 @pytest.mark.parametrize("values_file", [None] + CI_FILES, ids=lambda p: p.name if p else "default")
-def test_renders_valid_objects(values_file):
+def test_renders_valid_objects(values_file, tmp_path):
     docs = render(ci_values(values_file) if values_file else None)
     check_rendered(docs)
-    check_serve_config(only(docs, "RayService"))
+    check_serve_config(only(docs, "RayService"), tmp_path)
 
 
-def test_default_values():
+def test_default_values(tmp_path):
     docs = render()
     service = only(docs, "RayService")
     cluster = service["spec"]["rayClusterConfig"]
@@ -141,30 +40,18 @@ def test_default_values():
     assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (1, 1, 4)
     assert "numOfHosts" not in group
     assert cluster["enableInTreeAutoscaling"] is True and cluster["autoscalerOptions"]
-    args = check_serve_config(service)
+    args = check_serve_config(service, tmp_path)
     assert (args["tp"], args["groups"], args["kv_target_occupancy"]) == (2, "1:4", 0.7)
-    assert args["api_key_env"] == "TPSERVE_API_KEY" and "api_key" not in args
-    # The API key: a Secret the chart creates, referenced by every Ray container.
-    secret = only(docs, "Secret")
-    for template in [head["template"], group["template"]]:
-        (env,) = [e for e in container(template)["env"] if e["name"] == "TPSERVE_API_KEY"]
-        assert env["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"],
-                                                   "key": "api-key"}
-    assert len(secret["data"]["api-key"]) > 0
-    # Ports, probes, /dev/shm, the model volume.
+    # The image: the one deploy/docker/Dockerfile builds, tagged with the chart's appVersion.
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    for template in (head["template"], group["template"]):
+        assert container(template)["image"] == f"tpserve/tpserve:{app_version}"
+    # Ports: the head Service KubeRay makes from the head's ports has no Ray Client port.
     head_ports = {p["name"]: p["containerPort"] for p in container(head["template"])["ports"]}
-    assert {"serve": 8000, "serve-grpc": 9000, "metrics": 8080}.items() <= head_ports.items()
+    assert head_ports == {"gcs-server": 6379, "dashboard": 8265, "serve": 8000,
+                          "serve-grpc": 9000, "metrics": 8080}
     worker = container(group["template"])
     assert {p["name"] for p in worker["ports"]} == {"serve", "serve-grpc", "metrics"}
-    # Started once its raylet is healthy: Serve runs a proxy only on nodes that host a replica,
-    # so a pod holding ranks alone (a multi-host group's second pod) never answers /health on
-    # 8000, and a startup probe there would restart it, and kill its group, every 20 minutes.
-    startup = worker["startupProbe"]
-    assert "httpGet" not in startup and "local_raylet_healthz" in " ".join(
-        startup["exec"]["command"])
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 10 * 60  # image pulls
-    # Ready (in the Serve Service) once its proxy answers /health: a TP group serves there.
-    assert worker["readinessProbe"]["httpGet"] == {"path": "/health", "port": "serve"}
     volumes = {v["name"]: v for v in group["template"]["spec"]["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
     # Ray's object store fits in /dev/shm (Ray's default, 30% of the pod's memory, would not,
@@ -176,11 +63,11 @@ def test_default_values():
         assert 0 < int(params["object-store-memory"]) < size_gib << 30
     assert volumes["model"]["persistentVolumeClaim"]["claimName"] == "tpserve-models"
     assert {m["mountPath"] for m in worker["volumeMounts"]} >= {"/dev/shm", "/models"}
-    assert {d["kind"] for d in docs} == {"RayService", "Secret"}  # monitoring is opt-in
+    assert kinds(docs) == {"RayService", "NetworkPolicy"}  # monitoring is opt-in; no Secret
 
 
 def test_tp1_fixed_groups():
-    service = only(render(ci_values(CHART / "ci" / "tp1-fixed-values.yaml")), "RayService")
+    service = only(render(ci_file("tp1-fixed-values.yaml")), "RayService")
     cluster = service["spec"]["rayClusterConfig"]
     (group,) = workers(service)
     assert container(group["template"])["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -192,8 +79,7 @@ def test_tp1_fixed_groups():
 
 
 def test_tp8_autoscaling_with_tiers_and_monitoring():
-    values = ci_values(CHART / "ci" / "tp8-autoscaling-tiers-values.yaml")
-    docs = render(values)
+    docs = render(ci_file("tp8-autoscaling-tiers-values.yaml"))
     service = only(docs, "RayService")
     (group,) = workers(service)
     assert container(group["template"])["resources"]["limits"]["nvidia.com/gpu"] == 8
@@ -225,18 +111,8 @@ def test_tp8_autoscaling_with_tiers_and_monitoring():
         (CHART / "files" / "tpserve.json").read_text())
 
 
-def test_existing_secret_is_referenced_and_none_is_created():
-    docs = render(ci_values(CHART / "ci" / "existing-secret-values.yaml"))
-    assert not [d for d in docs if d["kind"] == "Secret"]
-    service = only(docs, "RayService")
-    for template in [service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]] + \
-            [g["template"] for g in workers(service)]:
-        (env,) = [e for e in container(template)["env"] if e["name"] == "TPSERVE_API_KEY"]
-        assert env["valueFrom"]["secretKeyRef"] == {"name": "llm-gateway-keys", "key": "tpserve"}
-
-
 def test_groups_spanning_pods_and_an_init_container_model():
-    docs = render(ci_values(CHART / "ci" / "multihost-initcontainer-values.yaml"))
+    docs = render(ci_file("multihost-initcontainer-values.yaml"))
     service = only(docs, "RayService")
     groups = {g["groupName"]: g for g in workers(service)}
     assert set(groups) == {"gpu-group", "a100"}  # "spare" is disabled
@@ -248,11 +124,9 @@ def test_groups_spanning_pods_and_an_init_container_model():
     assert groups["a100"]["template"]["spec"]["nodeSelector"] == {
         "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}
     assert (groups["gpu-group"]["minReplicas"], groups["gpu-group"]["maxReplicas"]) == (1, 2)
-    args = app_args(service)
-    assert "api_key_env" not in args and args["tp"] == 16
-    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert (groups["a100"]["replicas"], groups["a100"]["minReplicas"],
+            groups["a100"]["maxReplicas"]) == (0, 0, 2)
     head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
-    assert "env" not in container(head)
     assert head["spec"]["initContainers"][0]["name"] == "fetch-model"
 
 
@@ -262,6 +136,18 @@ def test_several_groups_share_a_pod_when_it_holds_more_gpus_than_a_group():
     (group,) = workers(service)
     assert (group["minReplicas"], group["maxReplicas"]) == (1, 2)  # 4 groups per pod
     assert app_args(service)["groups"] == "3:8"
+
+
+def test_chart_states_the_kuberay_it_needs():
+    """gRPC through the Serve Service needs KubeRay 1.6 (it passes on `serve-*` ports from 1.6:
+    ray-project/kuberay#4558); every field the chart renders is in 1.6.0's CRD (check_rendered),
+    and the CRD's CEL validation rules need Kubernetes 1.25."""
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["annotations"]["tpserve.io/requires"] == "kuberay-operator>=1.6.0"
+    assert chart["kubeVersion"] == ">=1.25.0-0"
+    service = only(render(), "RayService")
+    ports = {p["name"] for p in service["spec"]["serveService"]["spec"]["ports"]}
+    assert ports == {"serve", "serve-grpc"}
 
 
 # ----- bad values -----
@@ -274,6 +160,7 @@ def test_several_groups_share_a_pod_when_it_holds_more_gpus_than_a_group():
     ({"serve": {"tiers": {"eviction": "fifo"}}}, "/serve/tiers/eviction"),
     ({"serve": {"model": {"source": "s3"}}}, "/serve/model/source"),
     ({"alerts": {"kvUsage": 1.5}}, "/alerts/kvUsage"),
+    ({"serve": {"apiKey": {"create": True}}}, "create"),  # the old switch: no random key now
 ])
 def test_values_the_schema_refuses(values, words):
     with pytest.raises(helm.HelmValuesError, match=words):
@@ -289,6 +176,7 @@ def test_values_the_schema_refuses(values, words):
     ({"serve": {"tiers": {"disk": {"enabled": True}}}},
      "serve.tiers.disk.enabled needs a host tier"),
     ({"serve": {"extraArgs": {"tp": 4}}}, "serve.extraArgs.tp is set by the chart"),
+    ({"serve": {"extraArgs": {"api_key_file": "/k"}}}, "serve.extraArgs.api_key_file is set"),
     ({"serve": {"model": {"path": "/elsewhere/m"}}}, "serve.model.path"),
     ({"serve": {"model": {"pvc": {"claimName": ""}}}}, "serve.model.pvc.claimName"),
 ])

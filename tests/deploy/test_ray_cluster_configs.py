@@ -123,8 +123,11 @@ def test_aws_cluster_runs_the_image_and_installs_nothing_of_tpserve():
     docker = config["docker"]
     name, tag = docker["image"].rsplit(":", 1)
     chart = yaml.safe_load((REPO / "helm" / "tpserve" / "values.yaml").read_text())
+    app_version = yaml.safe_load((REPO / "helm" / "tpserve" / "Chart.yaml").read_text())[
+        "appVersion"]
+    chart_tag = chart["image"]["tag"] or app_version  # the chart's empty tag: its appVersion
     version = re.search(r'^version = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.M)
-    assert name.endswith("/tpserve") and tag == chart["image"]["tag"] == version.group(1)
+    assert name.endswith("/tpserve") and tag == chart_tag == version.group(1)
     assert "--gpus all" in docker["worker_run_options"]
     assert "--volume /models:/models" in docker["run_options"]
     assert "--volume /mnt/nvme:/mnt/nvme" in docker["worker_run_options"]

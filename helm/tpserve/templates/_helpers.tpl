@@ -34,14 +34,20 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
-{{/* The API key's Secret: an existing one, the chart's own, or none (""). */}}
+{{- define "tpserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (toString (default .Chart.AppVersion .Values.image.tag)) -}}
+{{- end -}}
+
+{{/* The API key's Secret: the user's, or "<fullname>-api-key"; "" without a key. */}}
 {{- define "tpserve.apiKeySecret" -}}
-{{- if .Values.serve.apiKey.existingSecret -}}
-{{- .Values.serve.apiKey.existingSecret -}}
-{{- else if .Values.serve.apiKey.create -}}
-{{- printf "%s-api-key" (include "tpserve.fullname" .) -}}
+{{- if .Values.serve.apiKey.enabled -}}
+{{- default (printf "%s-api-key" (include "tpserve.fullname" .)) .Values.serve.apiKey.existingSecret -}}
 {{- end -}}
 {{- end -}}
+
+{{/* Where the pods read the API key: a file of the mounted Secret (one key per line). */}}
+{{- define "tpserve.apiKeyDir" -}}/etc/tpserve/api-key{{- end -}}
+{{- define "tpserve.apiKeyFile" -}}{{ include "tpserve.apiKeyDir" . }}/key{{- end -}}
 
 {{/*
 A worker group's shape from the TP size: GPUs per pod, pods per group (numOfHosts) and the pod
@@ -98,9 +104,51 @@ maxReplicas: {{ int .maxGroups }}
 {{- if and $disk.enabled (eq $disk.volume "pvc") (not $disk.pvc.claimName) -}}
 {{- fail "serve.tiers.disk.pvc.claimName must be set when serve.tiers.disk.volume is pvc" -}}
 {{- end -}}
-{{- range $key := list "model" "served_model_name" "tp" "groups" "kv_target_occupancy" "device" "kv_cache_gb" "max_model_len" "host_kv_gb" "disk_kv_dir" "disk_kv_gb" "kv_eviction" "kv_write_policy" "api_key_env" "api_key" -}}
+{{- range $key := list "model" "served_model_name" "tp" "groups" "kv_target_occupancy" "device" "kv_cache_gb" "max_model_len" "host_kv_gb" "disk_kv_dir" "disk_kv_gb" "kv_eviction" "kv_write_policy" "api_key_env" "api_key_file" "api_key" -}}
 {{- if hasKey $.Values.serve.extraArgs $key -}}
 {{- fail (printf "serve.extraArgs.%s is set by the chart from other values (see values.yaml); remove it" $key) -}}
 {{- end -}}
+{{- end -}}
+{{- include "tpserve.validateKey" . -}}
+{{- include "tpserve.validateCluster" . -}}
+{{- end -}}
+
+{{- define "tpserve.validateKey" -}}
+{{- $key := .Values.serve.apiKey -}}
+{{- if and (not $key.enabled) (or $key.existingSecret $key.value) -}}
+{{- fail "serve.apiKey.existingSecret or serve.apiKey.value is set but serve.apiKey.enabled is false: remove it, or enable the key" -}}
+{{- end -}}
+{{- if and $key.existingSecret $key.value -}}
+{{- fail (printf "serve.apiKey.existingSecret (%s) and serve.apiKey.value are both set: give one (the chart makes a Secret only from value)" $key.existingSecret) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The RayService-level settings KubeRay would refuse, or accept and ignore. */}}
+{{- define "tpserve.validateCluster" -}}
+{{- $upgrade := .Values.upgradeStrategy -}}
+{{- if eq $upgrade.type "NewClusterWithIncrementalUpgrade" -}}
+{{- if not .Values.autoscaling.enabled -}}
+{{- fail "upgradeStrategy.type NewClusterWithIncrementalUpgrade needs autoscaling.enabled=true (KubeRay refuses it without the autoscaler)" -}}
+{{- end -}}
+{{- range $field := list "gatewayClassName" "stepSizePercent" "intervalSeconds" -}}
+{{- if not (hasKey $upgrade.clusterUpgradeOptions $field) -}}
+{{- fail (printf "upgradeStrategy.clusterUpgradeOptions.%s must be set when upgradeStrategy.type is NewClusterWithIncrementalUpgrade" $field) -}}
+{{- end -}}
+{{- end -}}
+{{- if gt (int $upgrade.clusterUpgradeOptions.stepSizePercent) (int (default 100 $upgrade.clusterUpgradeOptions.maxSurgePercent)) -}}
+{{- fail (printf "upgradeStrategy.clusterUpgradeOptions.stepSizePercent (%d) must not exceed maxSurgePercent (%d)" (int $upgrade.clusterUpgradeOptions.stepSizePercent) (int (default 100 $upgrade.clusterUpgradeOptions.maxSurgePercent))) -}}
+{{- end -}}
+{{- else if $upgrade.clusterUpgradeOptions -}}
+{{- fail (printf "upgradeStrategy.clusterUpgradeOptions is used only by NewClusterWithIncrementalUpgrade, not %s: remove it" $upgrade.type) -}}
+{{- end -}}
+{{- $ft := .Values.gcsFaultTolerance -}}
+{{- if and $ft.enabled (not $ft.redisAddress) -}}
+{{- fail "gcsFaultTolerance.enabled needs gcsFaultTolerance.redisAddress (host:port of the Redis)" -}}
+{{- end -}}
+{{- if and $ft.enabled (hasKey .Values.head.rayStartParams "redis-password") -}}
+{{- fail "head.rayStartParams.redis-password: KubeRay refuses it with GCS fault tolerance; use gcsFaultTolerance.redisPassword" -}}
+{{- end -}}
+{{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.dashboardFrom) -}}
+{{- fail "networkPolicy.dashboardFrom is empty: the KubeRay operator polls the head's dashboard and would be shut out; keep its peer (see values.yaml)" -}}
 {{- end -}}
 {{- end -}}

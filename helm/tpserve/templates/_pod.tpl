@@ -1,21 +1,5 @@
 {{/* Pieces shared by the head's and the workers' pods. */}}
 
-{{/* Environment of every Ray container: the API key, read where Serve builds the app. */}}
-{{- define "tpserve.env" -}}
-{{- $root := .root -}}
-{{- $secret := include "tpserve.apiKeySecret" $root -}}
-{{- if $secret }}
-- name: TPSERVE_API_KEY
-  valueFrom:
-    secretKeyRef:
-      name: {{ $secret }}
-      key: {{ $root.Values.serve.apiKey.secretKey }}
-{{- end }}
-{{- with .extra }}
-{{ toYaml . }}
-{{- end }}
-{{- end -}}
-
 {{/* The model's volume: a claim, a node directory, or an emptyDir an init container fills. */}}
 {{- define "tpserve.modelVolume" -}}
 {{- $model := .Values.serve.model -}}
@@ -34,8 +18,9 @@
 {{- end }}
 {{- end -}}
 
+{{/* Init containers: the model fetcher (when the model comes from one), then the group's own. */}}
 {{- define "tpserve.initContainers" -}}
-{{- $model := .Values.serve.model -}}
+{{- $model := .root.Values.serve.model -}}
 {{- if eq $model.source "initContainer" }}
 - name: fetch-model
   image: {{ $model.initContainer.image }}
@@ -49,9 +34,15 @@
     - name: model
       mountPath: {{ $model.mountPath }}
 {{- end }}
+{{- with .extra }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}
 
-{{/* Volumes of a pod: model, /dev/shm, Ray's logs, the disk KV tier (workers), the user's. */}}
+{{/*
+Volumes of a pod: model, /dev/shm, Ray's logs, the API key (a Secret volume: updates reach the
+mounted file, which a subPath mount would not get), the disk KV tier (workers), the group's own.
+*/}}
 {{- define "tpserve.volumes" -}}
 {{- $root := .root -}}
 {{ include "tpserve.modelVolume" $root }}
@@ -61,6 +52,15 @@
     sizeLimit: {{ .shmSize }}
 - name: ray-logs
   emptyDir: {}
+{{- with include "tpserve.apiKeySecret" $root }}
+- name: api-key
+  secret:
+    secretName: {{ . }}
+    items:
+      - key: {{ $root.Values.serve.apiKey.secretKey }}
+        path: key
+    defaultMode: 288  # 0440: root and the pod's fsGroup
+{{- end }}
 {{- if and .isWorker $root.Values.serve.tiers.disk.enabled }}
 {{ include "tpserve.kvDiskVolume" $root.Values.serve.tiers.disk }}
 {{- end }}
@@ -105,6 +105,11 @@
   mountPath: /dev/shm
 - name: ray-logs
   mountPath: /tmp/ray
+{{- if include "tpserve.apiKeySecret" $root }}
+- name: api-key
+  mountPath: {{ include "tpserve.apiKeyDir" $root }}
+  readOnly: true
+{{- end }}
 {{- if and .isWorker $root.Values.serve.tiers.disk.enabled }}
 - name: kv-disk
   mountPath: {{ $root.Values.serve.tiers.disk.path }}
@@ -115,119 +120,32 @@
 {{- end -}}
 
 {{/*
-Workers: started once their raylet is healthy (the dashboard agent's local_raylet_healthz, as
-KubeRay's own probes check), within startupMinutes; ready, and in the Serve Service, once
-tpserve's /health answers 200 through the pod's Serve proxy (a TP group serves). Serve runs a
-proxy only on nodes hosting a replica: a pod holding ranks alone (a multi-host group's second
-pod) is never ready and never restarted for it. Head: ready once Ray's GCS is (it serves no
-model).
+Probes of a Ray container: (dict "root" $ "group" VALUES "isWorker" BOOL). Set here, so KubeRay
+injects none of its own (it adds probes only to a container that has none); the checks are
+KubeRay's. Started and alive: the dashboard agent's /api/healthz (the raylet; on the head the GCS
+too). Ready: on a worker, its own Serve proxy's /-/healthz (Serve runs a proxy only on nodes that
+host a replica, so a pod holding ranks alone, a multi-host group's second pod, is never ready,
+which keeps it out of the Serve Service and restarts nothing); on the head, the agent's check (the
+operator itself adds the head to the Serve Service or not).
 */}}
-{{- define "tpserve.workerProbes" -}}
-{{- $p := .Values.probes -}}
-{{- $raylet := list "sh" "-c" "wget -q -T 5 -O- http://127.0.0.1:52365/api/local_raylet_healthz | grep -q success" -}}
+{{- define "tpserve.probes" -}}
+{{- $p := .root.Values.probes -}}
+{{- $agentPort := int (default 52365 (get .group.rayStartParams "dashboard-agent-listen-port")) -}}
+{{- $agent := dict "httpGet" (dict "path" "/api/healthz" "port" $agentPort) "periodSeconds" (int $p.periodSeconds) "timeoutSeconds" (int $p.timeoutSeconds) -}}
+{{- $startupMinutes := ternary (int $p.startupMinutes) 5 .isWorker -}}
 startupProbe:
-  exec:
-    command: {{ toJson $raylet }}
-  periodSeconds: {{ int $p.periodSeconds }}
-  failureThreshold: {{ div (mul (int $p.startupMinutes) 60) (int $p.periodSeconds) }}
+  {{- toYaml (merge (dict "failureThreshold" (div (mul $startupMinutes 60) (int $p.periodSeconds))) $agent) | nindent 2 }}
+livenessProbe:
+  {{- toYaml (merge (dict "failureThreshold" (int $p.livenessFailureThreshold)) $agent) | nindent 2 }}
 readinessProbe:
+  {{- if .isWorker }}
   httpGet:
-    path: /health
+    path: /-/healthz
     port: serve
   periodSeconds: {{ int $p.periodSeconds }}
+  timeoutSeconds: {{ int $p.timeoutSeconds }}
   failureThreshold: {{ int $p.readinessFailureThreshold }}
-{{- end -}}
-
-{{- define "tpserve.headProbes" -}}
-{{- $p := .Values.probes }}
-{{- $gcs := list "sh" "-c" "wget -q -T 5 -O- http://127.0.0.1:8265/api/gcs_healthz | grep -q success" -}}
-startupProbe:
-  exec:
-    command: {{ toJson $gcs }}
-  periodSeconds: {{ int $p.periodSeconds }}
-  failureThreshold: {{ div 300 (int $p.periodSeconds) }}
-readinessProbe:
-  exec:
-    command: {{ toJson $gcs }}
-  periodSeconds: {{ int $p.periodSeconds }}
-  failureThreshold: {{ int $p.readinessFailureThreshold }}
-{{- end -}}
-
-{{/* One KubeRay workerGroupSpec: (dict "root" $ "name" N "group" VALUES "shape" SHAPE "replicas" R). */}}
-{{- define "tpserve.workerGroup" -}}
-{{- $root := .root -}}
-{{- $group := .group -}}
-{{- $resources := deepCopy (default dict $group.resources) -}}
-{{- $limits := default dict $resources.limits -}}
-{{- $requests := default dict $resources.requests -}}
-{{- $_ := set $limits "nvidia.com/gpu" (int .shape.gpus) -}}
-{{- $_ := set $requests "nvidia.com/gpu" (int .shape.gpus) -}}
-{{- $_ := set $resources "limits" $limits -}}
-{{- $_ := set $resources "requests" $requests -}}
-- groupName: {{ .name }}
-  replicas: {{ int .replicas }}
-  minReplicas: {{ int .shape.minReplicas }}
-  maxReplicas: {{ int .shape.maxReplicas }}
-  {{- if gt (int .shape.hosts) 1 }}
-  numOfHosts: {{ int .shape.hosts }}
+  {{- else }}
+  {{- toYaml (merge (dict "failureThreshold" 10) $agent) | nindent 2 }}
   {{- end }}
-  rayStartParams:
-    {{- range $key, $val := $group.rayStartParams }}
-    {{ $key }}: {{ $val | quote }}
-    {{- end }}
-  template:
-    metadata:
-      labels:
-        {{- include "tpserve.selectorLabels" $root | nindent 8 }}
-        {{- with $group.labels }}
-        {{- toYaml . | nindent 8 }}
-        {{- end }}
-      {{- with $group.annotations }}
-      annotations:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-    spec:
-      {{- with (include "tpserve.initContainers" $root | trim) }}
-      initContainers:
-        {{- . | nindent 8 }}
-      {{- end }}
-      containers:
-        - name: ray-worker
-          image: "{{ $root.Values.image.repository }}:{{ $root.Values.image.tag }}"
-          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
-          {{- with (include "tpserve.env" (dict "root" $root "extra" $group.containerEnv) | trim) }}
-          env:
-            {{- . | nindent 12 }}
-          {{- end }}
-          {{- with $group.envFrom }}
-          envFrom:
-            {{- toYaml . | nindent 12 }}
-          {{- end }}
-          ports:
-            - {name: serve, containerPort: 8000, protocol: TCP}
-            - {name: serve-grpc, containerPort: 9000, protocol: TCP}
-            - {name: metrics, containerPort: 8080, protocol: TCP}
-          resources:
-            {{- toYaml $resources | nindent 12 }}
-          {{- include "tpserve.workerProbes" $root | nindent 10 }}
-          volumeMounts:
-            {{- include "tpserve.volumeMounts" (dict "root" $root "isWorker" true "extra" $group.volumeMounts) | nindent 12 }}
-      volumes:
-        {{- include "tpserve.volumes" (dict "root" $root "isWorker" true "shmSize" $group.shmSize "extra" $group.volumes) | nindent 8 }}
-      {{- with $root.Values.imagePullSecrets }}
-      imagePullSecrets:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      {{- with $group.nodeSelector }}
-      nodeSelector:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      {{- with $group.tolerations }}
-      tolerations:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      {{- with $group.affinity }}
-      affinity:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
 {{- end -}}

@@ -40,9 +40,42 @@ applications:
       kv_eviction: {{ $serve.tiers.eviction | quote }}
       kv_write_policy: {{ $serve.tiers.writePolicy | quote }}
       {{- if include "tpserve.apiKeySecret" . }}
-      api_key_env: TPSERVE_API_KEY
+      api_key_file: {{ include "tpserve.apiKeyFile" . | quote }}
       {{- end }}
       {{- with $serve.extraArgs }}
       {{- toYaml . | nindent 6 }}
       {{- end }}
+{{- end -}}
+
+{{/*
+The RayService's serveService: KubeRay keeps its selector (the pods whose proxy is ready) and,
+from KubeRay 1.6, takes these definitions of the serve and serve-grpc ports. Its type is the
+Serve Service's only: the head Service (dashboard, GCS) keeps KubeRay's cluster-internal one.
+*/}}
+{{- define "tpserve.serveService" -}}
+{{- $svc := .Values.serveService -}}
+serveService:
+  metadata:
+    labels:
+      {{- include "tpserve.labels" . | nindent 6 }}
+      {{- with $svc.labels }}
+      {{- toYaml . | nindent 6 }}
+      {{- end }}
+    {{- with $svc.annotations }}
+    annotations:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+  spec:
+    type: {{ $svc.type }}
+    ports:
+      - {name: serve, port: {{ int $svc.ports.http }}, targetPort: serve, protocol: TCP}
+      - name: serve-grpc
+        port: {{ int $svc.ports.grpc }}
+        targetPort: serve-grpc
+        protocol: TCP
+        appProtocol: kubernetes.io/h2c
+    {{- with $svc.loadBalancerSourceRanges }}
+    loadBalancerSourceRanges:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
 {{- end -}}
