@@ -63,7 +63,8 @@ def test_the_charts_rules_check_and_watch_its_podmonitors_job(tmp_path: Path):
     values = {"monitoring": {"prometheusRule": {"enabled": True}, "podMonitor": {"enabled": True}}}
     with helm.Chart.load(str(chart)) as loaded:
         manifests = loaded.render(values, name="prod", namespace="llm")
-    docs = [d for text in manifests.values() for d in yaml.safe_load_all(text) if d]
+    docs = [d for path, text in manifests.items() if not path.endswith("NOTES.txt")
+            for d in yaml.safe_load_all(text) if d]
     (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
     path = tmp_path / "rules.yaml"
     path.write_text(yaml.safe_dump(rule["spec"]))
