@@ -92,6 +92,7 @@ def test_tp8_autoscaling_with_tiers_and_monitoring():
     assert args["disk_kv_dir"] == "/mnt/nvme/tpserve-kv" and args["kv_eviction"] == "hotness"
     assert args["kv_write_policy"] == "write_back"
     assert args["max_num_seqs"] == 256
+    assert args["ingress_replicas"] == "2:4"  # the default: two, autoscaled up to four
     mounts = {m["name"]: m["mountPath"] for m in container(group["template"])["volumeMounts"]}
     assert mounts["kv-disk"] == "/mnt/nvme/tpserve-kv"
     volumes = {v["name"]: v for v in group["template"]["spec"]["volumes"]}

@@ -25,6 +25,9 @@ applications:
       tp: {{ int $serve.tpSize }}
       groups: {{ printf "%d:%d" (int $serve.groups.min) (int $serve.groups.max) | quote }}
       kv_target_occupancy: {{ $serve.kvTargetOccupancy }}
+      {{- with $serve.ingressReplicas }}
+      ingress_replicas: {{ printf "%d:%d" (int .min) (int .max) | quote }}
+      {{- end }}
       device: cuda
       kv_cache_gb: {{ $serve.kvCacheGb }}
       {{- with $serve.maxModelLen }}
