@@ -20,7 +20,9 @@ from ray.serve.config import (
     RequestRouterConfig,
 )
 
-from cluster.app_config import ServeConfig, parse_groups  # noqa: F401 (parse_groups re-exported)
+from cluster.app_config import (  # noqa: F401 (parse_groups re-exported)
+    ServeConfig, ingress_replicas, parse_groups)
+from cluster.api.api_key import resolve_api_key
 from cluster.api.admission import group_max_ongoing_requests, ingress_max_in_flight
 from cluster.groups.autoscaling import KVLoadPolicy
 from cluster.groups.formation import FormationConfig
@@ -169,7 +171,9 @@ def router_config(config: ServeConfig) -> RequestRouterConfig:
 
 
 def build_app(config: ServeConfig, cluster: Dict[str, float]):
-    """The Serve application for ``config`` on a cluster with resources ``cluster``."""
+    """The Serve application for ``config`` on a cluster with resources ``cluster``; its API
+    key is read here, where the application is built."""
+    api_key = resolve_api_key(config.api_key, config.api_key_file)
     engine = config.engine
     model_dir = resolve_model_path(engine.model)
     engine = EngineConfig(**{**engine.__dict__, "model": str(model_dir)})
@@ -205,5 +209,6 @@ def build_app(config: ServeConfig, cluster: Dict[str, float]):
     return build_ingress(groups, model_dir=str(model_dir), served_model_name=name,
                          block_size=engine.block_size,
                          max_model_len=served_context_length(engine, load_model_config(model_dir)),
-                         api_key=config.api_key, max_migrations=config.max_migrations,
-                         limits=limits)
+                         api_key=api_key,
+                         max_migrations=config.max_migrations,
+                         limits=limits, replicas=ingress_replicas(config))

@@ -30,6 +30,12 @@ class ServeConfig:
     api_key: Optional[str] = option(
         None, "require 'Authorization: Bearer KEY' (default $TPSERVE_API_KEY)",
         env="TPSERVE_API_KEY")
+    # A file of keys, one per line, read where the app is built and re-read by each ingress
+    # replica when it changes (cluster.api.api_key).
+    api_key_file: Optional[str] = option(
+        None, "require 'Authorization: Bearer KEY' for a KEY in this file (one per line), read "
+              "where the app is built and re-read by every ingress replica when it changes "
+              "(default $TPSERVE_API_KEY_FILE)", env="TPSERVE_API_KEY_FILE")
     served_model_name: Optional[str] = option(None, "model name in the API")
     routing_stats_period_s: float = 0.5
     # "kv": tpserve's KV-aware router;
@@ -68,6 +74,11 @@ class ServeConfig:
     request_timeout_s: float = option(
         600.0, "a request still running after this is aborted with 504; a client may ask for "
                "less with X-Request-Timeout (default 600)")
+    # OpenAI ingress replicas: "N", or "MIN:MAX" autoscaled on requests in flight. Each one
+    # routes with its own router over the same group reports (cluster.routing.kv_router).
+    ingress_replicas: str = option(
+        "2:4", "OpenAI ingress replicas: N, or MIN:MAX autoscaled on requests in flight; each "
+               "replica applies the request limits on its own (default 2:4)")
     # Chat templates sent in requests (Jinja run by the ingress): refused unless trusted.
     trust_request_chat_template: bool = option(
         False, "accept chat templates sent in requests (chat_template, "
@@ -76,6 +87,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         check_limits(self)
+        ingress_replicas(self)
         if not 1 <= self.min_groups <= self.max_groups:
             raise ValueError(f"--groups must be N or MIN:MAX with 1 <= MIN <= MAX, got "
                              f"{self.min_groups}:{self.max_groups}")
@@ -132,15 +144,24 @@ def check_limits(config: ServeConfig) -> None:
                          f"{config.request_timeout_s}")
 
 
-def parse_groups(text: str) -> Tuple[int, int]:
-    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4)."""
+def parse_groups(text: str, flag: str = "--groups") -> Tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4); ``flag`` names the option in errors."""
     try:
         parts = [int(p) for p in text.split(":")]
-    except ValueError:
-        raise ValueError(f"--groups must be N or MIN:MAX, got {text!r}") from None
+    except (ValueError, AttributeError):
+        raise ValueError(f"{flag} must be N or MIN:MAX, got {text!r}") from None
     if len(parts) not in (1, 2):
-        raise ValueError(f"--groups must be N or MIN:MAX, got {text!r}")
+        raise ValueError(f"{flag} must be N or MIN:MAX, got {text!r}")
     return parts[0], parts[-1]
+
+
+def ingress_replicas(config: ServeConfig) -> Tuple[int, int]:
+    """``config.ingress_replicas`` as (MIN, MAX), 1 <= MIN <= MAX."""
+    low, high = parse_groups(config.ingress_replicas, "--ingress-replicas")
+    if not 1 <= low <= high:
+        raise ValueError(f"--ingress-replicas must be N or MIN:MAX with 1 <= MIN <= MAX, got "
+                         f"{config.ingress_replicas!r}")
+    return low, high
 
 
 def format_groups(min_groups: int, max_groups: int) -> str:

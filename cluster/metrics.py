@@ -6,12 +6,12 @@ measures what only it sees (time to first token, inter-token and end-to-end late
 counts) in its own ``IngressMetrics`` (`cluster.api.metrics`). ``/metrics`` renders both,
 plus the router's decision counts, in the Prometheus text format, under vLLM's metric names
 with the prefix ``tpserve:`` (``vllm:kv_cache_usage_perc`` -> ``tpserve:kv_cache_usage_perc``).
+Each ingress replica also pushes its own numbers to the store, which sums them
+(`cluster.api.replica_totals`), so ``/metrics`` is the same whichever replica answers.
 
 The same numbers go to Ray's own metrics export through ``ray.util.metrics``. Ray 2.60 warns
 about ``:`` in names, so there they are ``tpserve_*``, and Ray's exporter prefixes ``ray_``:
-``ray_tpserve_time_to_first_token_seconds``. The ``/metrics`` latency histograms are those of
-the ingress replica that answered; with several ingress replicas, Ray's export (one series per
-process) is the cluster-wide view.
+``ray_tpserve_time_to_first_token_seconds`` (one series per process).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+
+from cluster.api.replica_totals import FamilySnapshot, ReplicaSnapshot, ReplicaTotals
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +74,30 @@ GROUP_METRICS: Dict[str, Tuple[str, str]] = {
 LABELLED_GROUP_METRICS: Dict[str, str] = {
     "kv_tier_disk_dir_written_bytes_total": "dir",  # per --disk-kv-dir entry
     "kv_tier_disk_dir_read_bytes_total": "dir",
+    "collective_errors_total": "kind",  # error, timeout, hang (parallel.collective_errors)
+    "gpu_memory_used_bytes": "rank",  # per rank of the group (workers.device_memory)
+    "gpu_memory_total_bytes": "rank",
+    "gpu_memory_reserved_bytes": "rank",
 }
+
+# The help text of the series whose meaning the name does not say; others read "TP group <key>".
+GROUP_METRIC_HELP: Dict[str, str] = {
+    "allreduce_latency_seconds": (
+        "All-reduce latency on the device group: on CPU (gloo) every call, timed on the host; "
+        "on CUDA a sample of calls, eager or inside CUDA-graph replays, each timed by a pair of "
+        "CUDA events around the collective alone (waiting for the slowest rank included)"),
+    "collective_errors_total": (
+        "Failed collectives, summed over the group's ranks, by kind: error (a collective "
+        "raised), timeout (gloo or NCCL gave up waiting), hang (the step watchdog declared a "
+        "step hung)"),
+    "gpu_memory_used_bytes": "GPU memory in use on a rank's device (total - free, every process)",
+    "gpu_memory_total_bytes": "GPU memory of a rank's device",
+    "gpu_memory_reserved_bytes": "GPU memory held by PyTorch's caching allocator on a rank",
+}
+
+
+def _help(key: str) -> str:
+    return GROUP_METRIC_HELP.get(key, f"TP group {key}")
 
 
 def group_metric_kind(key: str) -> Tuple[str, str]:
@@ -152,6 +177,15 @@ class MetricsStore:
         self._failures: Dict[str, int] = {cause: 0 for cause in GROUP_FAILURE_CAUSES}
         self._info: Dict[str, Dict[str, Any]] = {}
         self._mirror = RayMetricsMirror() if export_to_ray else None
+        self._ingress = ReplicaTotals(stale_after_s)
+
+    def push_ingress(self, snapshot: ReplicaSnapshot) -> None:
+        """An ingress replica's own numbers (`cluster.api.replica_totals`)."""
+        self._ingress.push(snapshot)
+
+    def ingress_families(self) -> List[FamilySnapshot]:
+        """The ingress replicas' numbers, summed (`ReplicaTotals.families`)."""
+        return self._ingress.families()
 
     def push(self, group_id: str, snapshot: Mapping[str, Any]) -> None:
         record = self._groups.get(group_id)
@@ -255,21 +289,20 @@ def group_metric_families(groups: Mapping[str, GroupRecord], model_name: str) ->
             family = families.get(name)
             if family is None:
                 cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-                family = families[name] = cls(name, f"TP group {key}", labels=labels)
+                family = families[name] = cls(name, _help(key), labels=labels)
             family.add_metric([model_name, group_id], value)
         for key, hist in sorted(record.histograms.items()):
             name = PREFIX + key
             family = families.get(name)
             if family is None:
-                family = families[name] = HistogramMetricFamily(
-                    name, f"TP group {key}", labels=labels)
+                family = families[name] = HistogramMetricFamily(name, _help(key), labels=labels)
             family.add_metric([model_name, group_id], hist.cumulative_buckets(), hist.sum)
         for key, series in sorted(record.labelled.items()):
             name, kind = group_metric_kind(key)
             family = families.get(name)
             if family is None:
                 cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-                family = families[name] = cls(name, f"TP group {key}",
+                family = families[name] = cls(name, _help(key),
                                               labels=labels + [LABELLED_GROUP_METRICS[key]])
             for label, value in sorted(series.items()):
                 family.add_metric([model_name, group_id, label], value)

@@ -6,8 +6,9 @@ are the ``tpserve serve`` options spelled with underscores (``model``, ``tp``, `
 ``kv_target_occupancy``, ``host_kv_gb``, ``disk_kv_dir``, ...), each a value of the option's
 type; an unknown key or a value of the wrong type is an error naming the key. Three options are
 not args: where Serve listens is the file's ``http_options``, and the API key is never written in
-the file: ``api_key_env`` names the environment variable that holds it, read where the
-application is built (on the Ray head for ``serve deploy``).
+the file: ``api_key_file`` names a file that holds it, or ``api_key_env`` the environment variable
+that does, read where the application is built (on the Ray head for ``serve deploy``); see
+``cluster.api.api_key`` for rotation.
 
 ``groups`` is a string, ``"N"`` or ``"MIN:MAX"``, quoted: YAML 1.1 reads an unquoted ``1:4`` as
 the base-60 number 64.
@@ -21,6 +22,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
 
+from cluster.api.api_key import resolve_api_key
 from cluster.app_config import ServeConfig, ServePlan
 from cluster.options import (ENGINE_OPTIONS, PLAN_OPTIONS, SERVE_OPTIONS, Option, engine_config,
                              field_values, serve_config_from)
@@ -33,7 +35,8 @@ _OPTION = re.compile(r"--([a-z][a-z-]*)")
 NOT_ARGS = {
     "host": "the file's http_options.host",
     "port": "the file's http_options.port",
-    "api_key": f"an environment variable named by {API_KEY_ENV} (never the key itself)",
+    "api_key": f"a file named by api_key_file, or an environment variable named by {API_KEY_ENV} "
+               f"(never the key itself)",
 }
 
 
@@ -68,9 +71,13 @@ def serve_config_from_args(args: Mapping[str, Any],
     for key, value in args.items():
         if key != API_KEY_ENV:
             setattr(values, key, _checked_value(key, options[key], value))
+    if API_KEY_ENV in args and args.get("api_key_file") is not None:
+        raise ValueError(f"args.{API_KEY_ENV} and args.api_key_file: give one of them, not both")
     api_key = _api_key(args.get(API_KEY_ENV), environ)
     try:
-        return serve_config_from(values, engine_config(values), api_key)
+        config = serve_config_from(values, engine_config(values), api_key)
+        resolve_api_key(config.api_key, config.api_key_file)  # the file is read where built
+        return config
     except ValueError as exc:  # the engine's checks name the option (--tp): name the key (args.tp)
         raise ValueError(_OPTION.sub(lambda m: "args." + m[1].replace("-", "_"), str(exc))) \
             from None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Protocol, Tuple
+from typing import Deque, Dict, List, Protocol, Tuple
 
 
 class TimingEvent(Protocol):
@@ -96,40 +96,3 @@ class LatencyRecorder:
             "p99_s": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
             "mean_s": self.total_s / self.count,
         }
-
-
-class SampledEventTimer:
-    """Times one call in ``every`` with a pair of device events read later by ``recorder``.
-
-    ``start()`` before the operation returns the start event of a sampled call (None otherwise,
-    at the cost of a counter); ``stop(start)`` after it records the end event and hands the pair
-    over. Nothing here waits for the device. ``can_record`` says whether events may be recorded
-    now (not while a CUDA graph is being captured, where querying an event breaks the capture).
-    """
-
-    def __init__(self, recorder: LatencyRecorder, every: int,
-                 new_event: Callable[[], TimingEvent],
-                 can_record: Callable[[], bool] = lambda: True) -> None:
-        if every < 1:
-            raise ValueError(f"time one call in every N calls needs N >= 1, got {every}")
-        self.recorder = recorder
-        self.every = every
-        self._new_event = new_event
-        self._can_record = can_record
-        self._num_calls = 0
-
-    def start(self) -> Optional[TimingEvent]:
-        is_sampled = self._num_calls % self.every == 0
-        self._num_calls += 1
-        if not is_sampled or not self._can_record():
-            return None
-        event = self._new_event()
-        event.record()
-        return event
-
-    def stop(self, start: Optional[TimingEvent]) -> None:
-        if start is None:
-            return
-        end = self._new_event()
-        end.record()
-        self.recorder.record_events(start, end)

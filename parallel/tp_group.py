@@ -4,31 +4,33 @@
 - ``device_group`` carries activations: NCCL on CUDA, gloo on CPU.
 
 All-reduces on the device group are timed (``all_reduce_latency``) so the serving layer can export
-their latency. On CPU (gloo, synchronous) each one is timed on the host as it runs. On CUDA one in
-``all_reduce_timing_interval`` is timed by a pair of CUDA events on the current stream, read once
-they have completed (see ``parallel.latency``): the timing never makes the host wait for the GPU.
+their latency, by ``all_reduce_timer`` (`parallel.collective_timer`). On CPU (gloo, synchronous)
+each one is timed on the host as it runs. On CUDA one in ``all_reduce_timing_interval`` is timed
+by a pair of CUDA events on the current stream, eager or inside a captured CUDA graph (then on
+every replay), read once they have completed: the timing never makes the host wait for the GPU.
 A sample is then the collective's time on the device, from the stream reaching it (after the work
 queued before it) to its end, waiting for the slowest rank included.
 
-Every collective that raises (a peer died, the group timed out) is counted
-(``num_collective_errors``) before the error goes on up: the serving layer exports the count.
+Every collective that raises (a peer died, the group timed out) is counted by kind
+(``collective_errors``, see `parallel.collective_errors`) before the error goes on up: the
+serving layer exports the counts of every rank.
 
 A group of size 1 has no process groups and every collective is a no-op.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
 from datetime import timedelta
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, ContextManager, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
 
-from parallel.latency import LatencyRecorder, SampledEventTimer
+from parallel.collective_errors import CollectiveErrors
+from parallel.collective_timer import CollectiveTimer, EventTimer, HostTimer
+from parallel.latency import LatencyRecorder
 from parallel.rendezvous import announce, listening_store
 
 logger = logging.getLogger(__name__)
@@ -78,15 +80,16 @@ class TPGroup:
     startup_group: Optional[dist.ProcessGroup] = None
     all_reduce_latency: LatencyRecorder = field(default_factory=LatencyRecorder)
     all_reduce_timing_interval: int = 64  # on CUDA, time one all-reduce in this many
-    num_collective_errors: int = 0  # collectives of this rank that raised
-    _event_timer: Optional[SampledEventTimer] = field(default=None, init=False, repr=False,
-                                                      compare=False)
+    collective_errors: CollectiveErrors = field(default_factory=CollectiveErrors)
+    all_reduce_timer: CollectiveTimer = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.device.type == "cuda":
-            self._event_timer = SampledEventTimer(
+            self.all_reduce_timer = EventTimer(
                 self.all_reduce_latency, self.all_reduce_timing_interval, _new_timing_event,
-                can_record=_is_not_capturing)
+                _is_capturing)
+        else:
+            self.all_reduce_timer = HostTimer(self.all_reduce_latency)
 
     @property
     def is_first(self) -> bool:
@@ -100,14 +103,16 @@ class TPGroup:
         if self.startup_group is not None:
             dist.barrier(group=self.startup_group)
 
-    @contextlib.contextmanager
-    def counting_errors(self) -> Iterator[None]:
-        """Around a collective (this group's or one on ``cpu_group``): counts it if it raises."""
-        try:
-            yield
-        except Exception:
-            self.num_collective_errors += 1
-            raise
+    def counting_errors(self, not_collective: Tuple[Type[BaseException], ...] = ()
+                        ) -> ContextManager[None]:
+        """Around a collective (this group's or one on ``cpu_group``): counts it by kind if it
+        raises (``not_collective``: see ``CollectiveErrors.counting``)."""
+        return self.collective_errors.counting(not_collective)
+
+    @property
+    def num_collective_errors(self) -> int:
+        """This rank's failed collectives, every kind."""
+        return self.collective_errors.total
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks in place (timed); returns it."""
@@ -117,14 +122,9 @@ class TPGroup:
             return self._all_reduce(tensor)
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._event_timer is not None:
-            start_event = self._event_timer.start()
-            dist.all_reduce(tensor, group=self.device_group)
-            self._event_timer.stop(start_event)
-            return tensor
-        start = time.perf_counter()
-        dist.all_reduce(tensor, group=self.device_group)  # gloo: done when it returns
-        self.all_reduce_latency.record(time.perf_counter() - start)
+        token = self.all_reduce_timer.start()
+        dist.all_reduce(tensor, group=self.device_group)
+        self.all_reduce_timer.stop(token)
         return tensor
 
     def gather_to_first(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
@@ -145,12 +145,13 @@ class TPGroup:
             dist.destroy_process_group()
 
 
-def _new_timing_event() -> torch.cuda.Event:
-    return torch.cuda.Event(enable_timing=True)
+def _new_timing_event(external: bool) -> torch.cuda.Event:
+    """An external event is recorded by a graph node when captured (on every replay)."""
+    return torch.cuda.Event(enable_timing=True, external=external)
 
 
-def _is_not_capturing() -> bool:
-    return not torch.cuda.is_current_stream_capturing()
+def _is_capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
 
 
 def init_tp_group(config: TPGroupConfig, device: torch.device,

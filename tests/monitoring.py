@@ -12,6 +12,12 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yaml"
 DASHBOARD = REPO / "deploy" / "grafana" / "tpserve.json"
+SCRAPE_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
+ALERT_TESTS = sorted((REPO / "deploy" / "prometheus" / "tests").glob("*.yaml"))
+# Queried but not from tpserve's /metrics: Prometheus's own per-target series.
+PROMETHEUS_SERIES = {"up"}
+# Exported by ranks on a GPU only (workers/device_memory.py).
+GPU_ONLY = {"tpserve:gpu_memory_used_bytes", "tpserve:gpu_memory_total_bytes"}
 
 
 def metric_names(expr: str) -> Set[str]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from kv.kv_manager import KVUsage
+from parallel.collective_errors import HANG
 from workers.engine import LLMEngine, RequestOutput
 from workers.sampling_params import SamplingParams
 from workers.step_watchdog import StepHungError, StepWatchdog
@@ -60,8 +61,11 @@ class AsyncLLMEngine:
     ``max_accepted_ids``), so a router knows which of its charges a report already holds."""
 
     def __init__(self, engine_factory: Callable[[], LLMEngine], max_cached_hashes: int = 4096,
-                 accepted_window_s: float = 5.0, max_accepted_ids: int = 4096) -> None:
-        """Builds the engine on the calling thread (so load errors raise here), then starts."""
+                 accepted_window_s: float = 5.0, max_accepted_ids: int = 4096,
+                 hung_after_s: Optional[float] = None) -> None:
+        """Builds the engine on the calling thread (so load errors raise here), then starts.
+        ``hung_after_s``: the watchdog's floor for declaring a step hung (default: the
+        engine's step timeout, which also bounds every collective)."""
         self.engine = engine_factory()
         self._max_cached_hashes = max_cached_hashes
         self._accepted_window_s = accepted_window_s
@@ -77,7 +81,8 @@ class AsyncLLMEngine:
         self._load_seq = 0
         self._waiting_demand = WaitingDemand()
         self.load = self._snapshot_load()
-        self._watchdog = StepWatchdog(self.engine.config.step_timeout_s, self._on_hung)
+        self._watchdog = StepWatchdog(hung_after_s or self.engine.config.step_timeout_s,
+                                      self._on_hung)
         self._thread = threading.Thread(target=self._run, name="tpserve-engine", daemon=True)
         self._thread.start()
 
@@ -157,7 +162,9 @@ class AsyncLLMEngine:
 
     def _on_hung(self, error: StepHungError) -> None:
         """From the watchdog's thread: the engine thread is stuck in a step; fail its requests
-        now (they migrate) and report the engine dead (the group gets replaced)."""
+        now (they migrate) and report the engine dead (the group gets replaced). Counted as a
+        failed collective of rank 0 (``hang``)."""
+        self.engine.rank.tp.collective_errors.count(HANG)
         self._error = error
         self._fail_all(EngineDeadError(f"engine failed: {error}"))
 

@@ -16,8 +16,9 @@ decode kernel's split count is fixed per size from the longest context the model
 launch never depends on the step; which keys a split walks does, and each program reads it from
 its sequence's context length on the device (`kv.attention.triton_paged.decode_split_range`):
 a short context is spread over the splits in tiles and the splits past its end exit at once.
-The all-reduces of a TP group are captured too (NCCL); the all-reduce timing events are not
-recorded while capturing.
+The all-reduces of a TP group are captured too (NCCL), and so are the timing events of the ones
+its timer samples (`parallel.collective_timer`): each replay times them again, and the next
+replay of the same graph reads them, so all-reduce latency is measured in decode steps too.
 
 Every size is captured while the rank starts (`capture_all`, as vLLM and SGLang do), largest
 first so that the smaller graphs reuse its pool's memory, each after a warm-up run of the same
@@ -44,6 +45,7 @@ from kv.attention.block_table_metadata import BlockTableMetadata, DeviceSeq
 from kv.attention.device_block_tables import PADDING_ROW, DeviceBlockTables
 from kv.host_staging import to_device
 from kv.kv_cache import KVCache
+from parallel.collective_timer import GraphTimings
 from workers.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -84,7 +86,7 @@ class DecodeGraphs:
         self._arange = torch.arange(max_batch, dtype=torch.int32, device=device)
         self._ones = torch.ones(max_batch, dtype=torch.int32, device=device)
         self._none = torch.zeros(0, dtype=torch.int32, device=device)
-        self._graphs: Dict[int, Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: Dict[int, Tuple[torch.cuda.CUDAGraph, torch.Tensor, GraphTimings]] = {}
         self._pool = None
         self._warmup_stream: Optional[torch.cuda.Stream] = None
         self._tables_version = tables.version
@@ -104,8 +106,9 @@ class DecodeGraphs:
             return self._forward(size)[:len(seqs)]
         if size not in self._graphs:
             self._graphs[size] = self._capture(size)
-        graph, hidden = self._graphs[size]
-        graph.replay()
+        graph, hidden, timings = self._graphs[size]
+        with timings.replaying():
+            graph.replay()
         return hidden[:len(seqs)]
 
     def capture_all(self) -> List[int]:
@@ -159,7 +162,7 @@ class DecodeGraphs:
         metadata = [by_window[w] for w in self.model.config.layer_windows]
         return self.model(input_ids, metadata, self.kv_cache)  # [S, hidden]
 
-    def _capture(self, size: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int) -> Tuple[torch.cuda.CUDAGraph, torch.Tensor, GraphTimings]:
         # Warm-up on a side stream (compiles the kernels, sets up cuBLAS): it runs the staged
         # step itself, and the replay that follows writes the same K/V again.
         if self._warmup_stream is None:  # one for every size: cuBLAS keeps a workspace per
@@ -171,8 +174,9 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the KV tiers' copy thread may use CUDA while this thread captures.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with self.model.tp.all_reduce_timer.capturing() as timings, \
+                torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             hidden = self._forward(size)
         self._pool = graph.pool()
         logger.debug("captured the decode graph for %d sequences", size)
-        return graph, hidden
+        return graph, hidden, timings

@@ -19,6 +19,7 @@ import torch
 from kv.attention.backend import resolve_attention_backend
 from kv.kv_manager import KVUsage
 from kv.tiers.ops import TierOp, TierOpResults
+from parallel.collective_errors import sum_counts
 from parallel.rendezvous import RendezvousSocket
 from parallel.tp_group import TPGroupConfig
 from workers.config import EngineConfig
@@ -27,7 +28,8 @@ from workers.engine_outputs import RequestOutput, StepRecord
 from workers.engine_sizing import (block_spec, check_model, context_length, fit_context_to_pool,
                                    size_pool)
 from workers.multiproc import RANK_STOP_S, RankLauncher, RankProcesses
-from workers.rank import RankConfig, build_rank, execute_plan, resolve_dtype
+from workers.rank import (RankConfig, RankReport, build_rank, execute_plan, rank_report,
+                          resolve_dtype)
 from workers.request import FinishReason, Request, RequestId
 from workers.sampler import SampledToken, sample
 from workers.sampling_params import SamplingParams
@@ -87,7 +89,7 @@ class LLMEngine:
         self._is_shut_down = False
         # Ranks 1..N-1 of an idle group must hear from rank 0 within the step timeout.
         self._keepalive = None if self._children is None else PlanKeepalive(
-            lambda: broadcast_plan(StepPlan(), self.rank.tp.cpu_group),
+            self._send_keepalive,
             lambda: not self._has_outstanding_transfers(), config.step_timeout_s / 3)
 
     def _rank_configs(self) -> List[RankConfig]:
@@ -258,6 +260,10 @@ class LLMEngine:
         if self._keepalive is not None:
             self._keepalive.sent()
 
+    def _send_keepalive(self) -> None:
+        with self.rank.tp.counting_errors():
+            broadcast_plan(StepPlan(), self.rank.tp.cpu_group)
+
     def _has_outstanding_transfers(self) -> bool:
         tiers = self.scheduler.kv.tiers
         return tiers is not None and tiers.has_outstanding
@@ -360,6 +366,16 @@ class LLMEngine:
     def child_ranks(self):
         """The launcher's handles of ranks 1..N-1 (None at TP 1)."""
         return self._children
+
+    def rank_reports(self) -> List[RankReport]:
+        """Rank 0's report now, then the latest of each rank 1..N-1 that has one (a rank
+        reports when its plan loop ends; see the launcher)."""
+        children = self._children.reports() if self._children is not None else []
+        return [rank_report(self.rank)] + children
+
+    def collective_errors(self) -> Dict[str, int]:
+        """Failed collectives of every rank, summed by kind (`parallel.collective_errors`)."""
+        return sum_counts(report.collective_errors for report in self.rank_reports())
 
     def kv_usage(self) -> KVUsage:
         return self.scheduler.kv_usage()

@@ -1,11 +1,13 @@
 """Ranks 1..N-1 as local processes (torch.multiprocessing, spawn), for TP without Ray.
 
 Each child builds its rank (joining the process group first), reports ready or the error that
-stopped it through a pipe, then serves plans until rank 0 broadcasts a shutdown plan.
+stopped it through a pipe, then serves plans until rank 0 broadcasts a shutdown plan or a
+collective fails; then it sends its `RankReport` (its failed collectives) through the same pipe.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -15,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from parallel.rendezvous import RendezvousSocket
-from workers.rank import RankConfig, build_rank, serve_plans
+from workers.rank import RankConfig, RankReport, build_rank, rank_report, serve_plans
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,9 @@ class RankHandles(Protocol):
 
     def join(self, timeout_s: float = RANK_STOP_S) -> None:
         """Wait ``timeout_s`` for every rank to stop, then kill what is left."""
+
+    def reports(self) -> List[RankReport]:
+        """The latest report of each rank that has one, in rank order (does not wait long)."""
 
 
 RankLauncher = Callable[[List[RankConfig]], RankHandles]
@@ -76,6 +81,8 @@ def _rank_main(config: RankConfig, conn) -> None:
     try:
         serve_plans(rank)
     finally:
+        with contextlib.suppress(OSError):  # rank 0's process is gone: nobody to tell
+            conn.send(("report", rank_report(rank)))
         rank.tp.destroy()
 
 
@@ -95,6 +102,7 @@ class RankProcesses:
             self._procs.append(proc)
             self._conns.append(parent)
         self._status: List[Optional[tuple]] = [None] * len(self._procs)  # ("ready"|"error", e)
+        self._reports: List[Optional[RankReport]] = [None] * len(self._procs)
 
     @property
     def pids(self) -> List[int]:
@@ -116,9 +124,8 @@ class RankProcesses:
     def _checked(self, index: int, wait_s: float) -> bool:
         """Whether child ``index`` is ready (its message read, waiting up to ``wait_s``); raises
         its error, or that it exited before it was ready."""
-        proc, conn = self._procs[index], self._conns[index]
-        if self._status[index] is None and conn.poll(wait_s):
-            self._status[index] = conn.recv()
+        proc = self._procs[index]
+        self._read(index, wait_s if self._status[index] is None else 0.0)
         if self._status[index] is None:
             if not proc.is_alive():
                 raise RuntimeError(f"{proc.name} exited with code {proc.exitcode} before it "
@@ -128,6 +135,25 @@ class RankProcesses:
         if status == "error":
             raise error
         return True
+
+    def _read(self, index: int, wait_s: float) -> None:
+        """Take every message child ``index`` has sent, waiting up to ``wait_s`` for the first."""
+        conn = self._conns[index]
+        try:
+            while conn.poll(wait_s):
+                kind, payload = conn.recv()
+                if kind == "report":
+                    self._reports[index] = payload
+                else:
+                    self._status[index] = (kind, payload)
+                wait_s = 0.0
+        except (EOFError, OSError):  # the child exited: what it sent has been read
+            pass
+
+    def reports(self) -> List[RankReport]:
+        for index in range(len(self._procs)):
+            self._read(index, 0.0)
+        return [report for report in self._reports if report is not None]
 
     def join(self, timeout_s: float = RANK_STOP_S) -> None:
         deadline = time.monotonic() + timeout_s

@@ -12,16 +12,18 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from kv.attention.backend import make_attention_backend
 from kv.kv_cache import KVCache, KVCacheSpec
 from kv.tiers.ops import TierOpResults
+from kv.tiers.transfer_progress import TransferError
 from parallel.onednn_linear import pack_linear_weights
 from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
 from workers.cpu_malloc import keep_freed_memory
+from workers.device_memory import DeviceMemory, device_memory
 from workers.loader import load_weights
 from workers.memory_profile import size_kv_pool
 from workers.model_config import ModelConfig, load_model_config
@@ -66,6 +68,22 @@ class Rank:
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What a rank tells the serving layer about itself: its failed collectives by kind
+    (`parallel.collective_errors`) and its GPU's memory (None on CPU)."""
+
+    rank: int
+    collective_errors: Dict[str, int]
+    memory: Optional[DeviceMemory] = None
+
+
+def rank_report(rank: Rank) -> RankReport:
+    """This rank's report now (one driver call on CUDA; callable from any thread)."""
+    return RankReport(rank.tp.rank, rank.tp.collective_errors.counts(),
+                      device_memory(rank.tp.device))
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str,
@@ -156,15 +174,19 @@ def execute_plan(rank: Rank, plan: StepPlan
     logits = rank.runner.execute(plan)
     results = None
     if transfer is not None and transfer.num_outstanding:
-        results = transfer.agree(rank.tp.cpu_group, wait=plan.wait_transfers)
+        # A TransferError is this rank's copy worker failing, not the collective.
+        with rank.tp.counting_errors(not_collective=(TransferError,)):
+            results = transfer.agree(rank.tp.cpu_group, wait=plan.wait_transfers)
     return logits, results
 
 
 def serve_plans(rank: Rank) -> None:
-    """Loop of ranks 1..N-1: receive a plan, run it, until a shutdown plan arrives."""
+    """Loop of ranks 1..N-1: receive a plan, run it, until a shutdown plan arrives. A failed
+    collective is counted on this rank's group and ends the loop."""
     try:
         while True:
-            plan = broadcast_plan(None, rank.tp.cpu_group)
+            with rank.tp.counting_errors():
+                plan = broadcast_plan(None, rank.tp.cpu_group)
             if plan.shutdown:
                 break
             execute_plan(rank, plan)

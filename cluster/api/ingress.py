@@ -20,31 +20,31 @@ methods named after the RPCs hand over to ``cluster.api.grpc_service``, which ta
 # No ``from __future__ import annotations`` here: Serve re-creates the route functions for the
 # class-based view, and FastAPI must see the real ``Request`` annotation, not a string.
 import asyncio
-import hmac
 import json
 import logging
 import time
 import uuid
 from importlib.metadata import PackageNotFoundError, version as package_version
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Mapping, Optional, Type
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional, Tuple, Type
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import BackpressureConfig
+from ray.serve.config import AutoscalingConfig, BackpressureConfig
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from cluster.api.admission import IngressAdmission
 from cluster.api.grpc_service import GrpcService
+from cluster.api.api_key import ApiKey, KeyCheck
 from cluster.api.metrics import IngressMetrics, RequestTimer
 from cluster.api.prompts import PromptCodec
 from cluster.api.group_calls import GroupRequests
 from cluster.api.request_run import MigrationPolicy, RequestRun
-from cluster.metrics import GroupRecord, get_metrics_store, router_decision_counts
+from cluster.api.metrics_page import MetricsPage
 from cluster.api.protocol import (
     ChatFormat,
     CompletionFormat,
@@ -75,7 +75,6 @@ from cluster.api.request_limits import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-METRICS_STORE_TIMEOUT_S = 2.0
 HEALTH_MAX_REPORT_AGE_S = 5.0  # groups report every second; a group silent this long is gone
 INGRESS_EXTRA_ONGOING = 64  # beyond the generation slots: /health, /metrics, /tokenize, ...
 
@@ -122,7 +121,7 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, group_handle: DeploymentHandle, model_dir: str, served_model_name: str,
-                 block_size: int, max_model_len: int, api_key: Optional[str] = None,
+                 block_size: int, max_model_len: int, api_key: Optional[ApiKey] = None,
                  limits: Optional[IngressLimits] = None, max_migrations: int = 3) -> None:
         if block_size < 1 or max_model_len < 2:
             raise ValueError(f"block_size must be >= 1 and max_model_len >= 2, got "
@@ -131,12 +130,12 @@ class OpenAIIngress:
         self.served_model_name = served_model_name
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self._api_key = api_key or None
+        self._keys = KeyCheck(api_key)
         self._limits = limits or IngressLimits()
         self.prompts = PromptCodec(Path(model_dir))
         self._prompt_pool = PromptPool(self.prompts, self._limits)
         self.metrics = IngressMetrics(served_model_name, max_model_len, export_to_ray=True)
-        self._store = get_metrics_store()
+        self._page = MetricsPage(self.metrics)
         self._created = int(time.time())
         self._grpc = GrpcService(self)
         # A request whose group died waits for a healthy one as long as its own deadline.
@@ -144,6 +143,7 @@ class OpenAIIngress:
                                           max_wait_s=self._limits.request_timeout_s)
         self._admission = IngressAdmission(self._limits.max_in_flight,
                                            self._limits.retry_after_s)
+        self.metrics.track_admission(self._admission)
         self._requests = GroupRequests(group_handle, block_size, self.prompts, self.metrics,
                                        self._migration, self._admission)
         # One ingress per replica process: its /openapi.json names the model it serves.
@@ -210,13 +210,7 @@ class OpenAIIngress:
     async def health(self) -> Response:
         """200 while at least one TP group serves (it reported a live engine within the last
         few seconds); 503 otherwise, as a load balancer expects."""
-        try:
-            num_serving = len(await asyncio.wait_for(
-                self._store.serving_groups.remote(HEALTH_MAX_REPORT_AGE_S),
-                METRICS_STORE_TIMEOUT_S))
-        except Exception as exc:
-            logger.warning("metrics store unavailable for /health: %s", exc)
-            num_serving = 0
+        num_serving = len(await self._page.serving_groups(HEALTH_MAX_REPORT_AGE_S))
         if num_serving == 0:
             return JSONResponse(error_body("no TP group can serve requests yet",
                                            "server_error", code="no_healthy_group"), 503)
@@ -224,15 +218,8 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics_text(self) -> Response:
-        groups = await self._group_records()
-        try:
-            failures = await asyncio.wait_for(self._store.group_failures.remote(),
-                                              METRICS_STORE_TIMEOUT_S)
-        except Exception as exc:  # the store is gone or slow: leave the counter out
-            logger.warning("metrics store unavailable (%s); group failures omitted", exc)
-            failures = None
-        return Response(self.metrics.render(groups, router_decision_counts(), failures),
-                        media_type=CONTENT_TYPE_LATEST)
+        """Every ingress replica's numbers summed, and every group's (``MetricsPage``)."""
+        return Response(await self._page.text(), media_type=CONTENT_TYPE_LATEST)
 
     # ----- gRPC (tpserve.v1.TPServe): Serve's gRPC proxy calls the method named after the RPC
     # (so these names are CamelCase) and passes the call's context as ``grpc_context``
@@ -284,14 +271,8 @@ class OpenAIIngress:
 
     def authorize(self, authorization: Optional[str]) -> None:
         """Checks an ``Authorization`` header's (or gRPC metadata's) value against the key."""
-        if self._api_key is None:
-            return
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise ProtocolError("missing API key: send 'Authorization: Bearer <key>'", 401,
-                                code="invalid_api_key")
-        if not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
-            raise ProtocolError("incorrect API key provided", 401, code="invalid_api_key")
+        self._page.start()  # this replica's numbers reach the store from its first request on
+        self._keys.authorize(authorization)
 
     def check_body(self, body: R) -> R:
         """Check a request's model (when it names one); log the fields it ignores."""
@@ -353,33 +334,29 @@ class OpenAIIngress:
             return StreamingResponse(run.events(first), media_type="text/event-stream")
         return JSONResponse(await run.collect())
 
-    async def _group_records(self) -> Mapping[str, GroupRecord]:
-        try:
-            return await asyncio.wait_for(self._store.snapshot.remote(),
-                                          METRICS_STORE_TIMEOUT_S)
-        except Exception as exc:  # the store is gone or slow: serve the ingress's own metrics
-            logger.warning("metrics store unavailable (%s); group metrics omitted", exc)
-            try:
-                self._store = get_metrics_store()
-            except Exception:
-                logger.exception("cannot reach or recreate the metrics store")
-            return {}
-
 
 def build_ingress(groups: Application, model_dir: str, served_model_name: str, block_size: int,
-                  max_model_len: int, api_key: Optional[str] = None,
-                  limits: Optional[IngressLimits] = None,
-                  max_migrations: int = 3) -> Application:
-    """The application: this ingress bound in front of the (bound) group deployment. The
+                  max_model_len: int, api_key: Optional[ApiKey] = None,
+                  limits: Optional[IngressLimits] = None, max_migrations: int = 3,
+                  replicas: Tuple[int, int] = (1, 1)) -> Application:
+    """The application: this ingress bound in front of the (bound) group deployment. Each
     replica takes ``limits.max_in_flight`` generation requests plus room for the cheap
-    endpoints; Serve's proxy queues a bounded number beyond that (``cluster.api.admission``)."""
+    endpoints; Serve's proxy queues a bounded number beyond that (``cluster.api.admission``).
+    ``replicas``: (MIN, MAX); MIN < MAX autoscales on requests in flight per replica."""
     limits = limits or IngressLimits()
+    low, high = replicas
+    scaling: Dict[str, Any] = {"num_replicas": low}
+    if high > low:
+        scaling = {"autoscaling_config": AutoscalingConfig(
+            min_replicas=low, max_replicas=high,
+            target_ongoing_requests=max(1, limits.max_in_flight // 2))}
     ingress = OpenAIIngress.options(
         max_ongoing_requests=limits.max_in_flight + INGRESS_EXTRA_ONGOING,
         # Serve counts a request as queued while it picks a replica for it, so a burst of
         # arrivals fills this queue even while the replica has room: keep the same slack.
         max_queued_requests=limits.max_in_flight + INGRESS_EXTRA_ONGOING,
         backpressure_config=BackpressureConfig(status_code=429,
-                                               retry_after_s=limits.retry_after_s))
+                                               retry_after_s=limits.retry_after_s),
+        **scaling)
     return ingress.bind(groups, model_dir, served_model_name, block_size, max_model_len,
                         api_key, limits, max_migrations)

@@ -1,13 +1,15 @@
 """The ingress's request metrics: time to first token, inter-token and end-to-end latency, token
 counts and finish reasons in its own Prometheus registry (``IngressMetrics``), timed per request by
-``RequestTimer``; ``IngressMetrics.render`` adds the groups' numbers from the metrics store and the
-router's decision counts (`cluster.metrics`) to make the ``/metrics`` text."""
+``RequestTimer``, with its requests in flight against its limit (`cluster.api.admission`) and its
+routers' decisions. ``IngressMetrics.render`` makes the ``/metrics`` text from every ingress
+replica's numbers summed (`cluster.api.replica_totals`) and the groups' from the metrics store
+(`cluster.metrics`)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 from prometheus_client import (
     CollectorRegistry,
@@ -16,7 +18,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from cluster.metrics import (
     E2E_BUCKETS,
@@ -26,6 +28,12 @@ from cluster.metrics import (
     GroupRecord,
     RayMetricsMirror,
     group_metric_families,
+)
+from cluster.api.replica_totals import (
+    FamilySnapshot,
+    ReplicaSnapshot,
+    as_metrics,
+    family_snapshots,
 )
 
 
@@ -92,6 +100,11 @@ class IngressMetrics:
         self.grpc_requests = Counter(PREFIX + "grpc_requests", "gRPC calls by method and status",
                                      lbl + ["method", "code"], registry=reg)
         self._mirror = RayMetricsMirror() if export_to_ray else None
+        self._admission: Optional[_Admission] = None
+
+    def track_admission(self, admission: "_Admission") -> None:
+        """Export ``admission``'s requests in flight and its limit with every render."""
+        self._admission = admission
 
     def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> _HistogramSpec:
         metric = Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry,
@@ -133,11 +146,29 @@ class IngressMetrics:
         if self._mirror is not None:
             self._mirror.counter(PREFIX + "grpc_requests", 1, tags)
 
+    def replica_snapshot(self, replica_id: str,
+                         router_counts: Mapping[str, int]) -> ReplicaSnapshot:
+        """This replica's own numbers (its registry, its routers' decisions), to be summed with
+        the other replicas' (`cluster.api.replica_totals`)."""
+        decisions = CounterMetricFamily(PREFIX + "router_decisions",
+                                        "RankedGroup decisions by reason", labels=["reason"])
+        for reason, n in sorted(router_counts.items()):
+            decisions.add_metric([reason], n)
+        admission = (self._admission_families(self._admission)
+                     if self._admission is not None else [])
+        return ReplicaSnapshot(replica_id, family_snapshots(
+            [*self.registry.collect(), *admission, decisions]))
+
     def render(self, groups: Mapping[str, GroupRecord], router_counts: Mapping[str, int],
-               group_failures: Optional[Mapping[str, int]] = None) -> bytes:
-        """The Prometheus text of the ingress, every group, the routers and the group failures
-        (``MetricsStore.group_failures``; None when the store could not be reached)."""
-        families = group_metric_families(groups, self.model_name)
+               group_failures: Optional[Mapping[str, int]] = None,
+               replicas: Optional[Sequence[FamilySnapshot]] = None) -> bytes:
+        """The Prometheus text of the ingress replicas (``replicas``: every replica's numbers
+        summed; None: this replica's own, with ``router_counts``, as when the store cannot be
+        reached), every group, and the group failures (``MetricsStore.group_failures``; None
+        when the store could not be reached)."""
+        if replicas is None:
+            replicas = self.replica_snapshot("", router_counts).families
+        families = as_metrics(replicas) + group_metric_families(groups, self.model_name)
         if group_failures is not None:
             failures = CounterMetricFamily(
                 PREFIX + "group_failures", "TP group failures (Serve restarts the replica)",
@@ -145,14 +176,29 @@ class IngressMetrics:
             for cause, n in sorted(group_failures.items()):
                 failures.add_metric([self.model_name, cause], n)
             families.append(failures)
-        decisions = CounterMetricFamily(PREFIX + "router_decisions",
-                                        "RankedGroup decisions by reason", labels=["reason"])
-        for reason, n in sorted(router_counts.items()):
-            decisions.add_metric([reason], n)
-        families.append(decisions)
         scrape = CollectorRegistry(auto_describe=False)
         scrape.register(_Families(families))
-        return generate_latest(self.registry) + generate_latest(scrape)
+        return generate_latest(scrape)
+
+    def _admission_families(self, admission: "_Admission") -> List[Metric]:
+        out = []
+        for name, doc, value in (
+                ("ingress_requests_in_flight", "Generation requests the ingress replicas hold",
+                 admission.num_in_flight),
+                ("ingress_max_requests_in_flight",
+                 "The limit on them, summed over the replicas (429 beyond it)",
+                 admission.max_in_flight)):
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            out.append(family)
+        return out
+
+
+class _Admission(Protocol):
+    """What is read of ``cluster.api.admission.IngressAdmission``."""
+
+    num_in_flight: int
+    max_in_flight: int
 
 
 def _one_two_five_buckets(limit: int) -> Tuple[float, ...]:

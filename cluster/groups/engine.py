@@ -23,9 +23,11 @@ from cluster.contract import GroupChunk, GroupRequest, LoadReport
 from cluster.groups.autoscaling import KV_USAGE_METRIC
 from cluster.groups.stream import stream_chunks
 from cluster.metrics import existing_metrics_store, get_metrics_store
+from parallel.collective_errors import sum_counts
 from workers.async_engine import AsyncLLMEngine
 from workers.config import EngineConfig
 from workers.engine import LLMEngine
+from workers.rank import RankReport
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +127,7 @@ def group_metrics_snapshot(engine: AsyncLLMEngine) -> Dict:
     load = engine.load
     eng = engine.engine
     kv = eng.scheduler.kv
+    reports = eng.rank_reports()
     return {
         "engine_alive": 1.0 if engine.is_alive else 0.0,
         "kv_usage_frac": load.kv.usage,
@@ -137,6 +140,17 @@ def group_metrics_snapshot(engine: AsyncLLMEngine) -> Dict:
         "prefix_cache_hits_total": kv.num_prefix_hits,
         "num_preemptions_total": eng.scheduler.num_preemptions,
         "allreduce_latency_seconds": eng.rank.tp.all_reduce_latency.drain(),
-        "collective_errors_total": eng.rank.tp.num_collective_errors,
+        "collective_errors_total": sum_counts(r.collective_errors for r in reports),
+        **rank_memory(reports),
         **eng.kv_tier_stats(),
     }
+
+
+def rank_memory(reports: List[RankReport]) -> Dict[str, Dict[str, int]]:
+    """GPU memory by rank (``{"0": bytes, ...}``) of the ranks that report it; empty on CPU."""
+    with_memory = [r for r in reports if r.memory is not None]
+    if not with_memory:
+        return {}
+    return {f"gpu_memory_{field}_bytes": {str(r.rank): getattr(r.memory, f"{field}_bytes")
+                                          for r in with_memory}
+            for field in ("used", "total", "reserved")}

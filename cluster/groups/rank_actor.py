@@ -18,7 +18,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.multiproc import RANK_STOP_S
-from workers.rank import RankConfig, build_rank, serve_plans
+from workers.rank import RankConfig, RankReport, build_rank, rank_report, serve_plans
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ class RankActor:
     def __init__(self) -> None:
         self._ready = threading.Event()
         self._error: Optional[BaseException] = None
+        self._rank = None
 
     def run(self, config: RankConfig) -> None:
         """Build the rank, then serve plans until rank 0 broadcasts shutdown (blocks)."""
@@ -38,6 +39,7 @@ class RankActor:
             self._error = exc
             self._ready.set()
             return
+        self._rank = rank
         self._ready.set()
         try:
             serve_plans(rank)
@@ -49,6 +51,11 @@ class RankActor:
             raise TimeoutError(f"rank not ready after {timeout_s:.0f} s")
         if self._error is not None:
             raise self._error
+
+    def report(self) -> Optional[RankReport]:
+        """This rank's failed collectives and GPU memory (None before it is built); answers
+        while ``run`` serves plans, and after a failed collective ended it."""
+        return rank_report(self._rank) if self._rank is not None else None
 
     def info(self) -> dict:
         """Where this rank runs: node id, the GPU it was given, torch device, process id."""
@@ -73,6 +80,7 @@ class RayRankActors:
                  env_by_rank: Optional[Mapping[int, Mapping[str, str]]] = None) -> None:
         self.actors = []
         self._runs = []
+        self._reports: List[Optional[RankReport]] = [None] * len(configs)
         for config in configs:
             rank = config.group.rank
             config = dataclasses.replace(config, device=rank_device(config.device))
@@ -105,6 +113,21 @@ class RayRankActors:
             except ray.exceptions.RayTaskError as exc:
                 raise exc.as_instanceof_cause() from None
             raise RuntimeError(f"rank {index + 1} stopped before its group was ready")
+
+    def reports(self, timeout_s: float = 1.0) -> List[RankReport]:
+        """Each rank's report as it answers within ``timeout_s``, else its last one (a rank
+        whose actor died keeps its last report)."""
+        refs = [actor.report.remote() for actor in self.actors]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for ref in done:
+            index = refs.index(ref)
+            try:
+                report = ray.get(ref)
+            except ray.exceptions.RayError:
+                continue
+            if report is not None:
+                self._reports[index] = report
+        return [report for report in self._reports if report is not None]
 
     def join(self, timeout_s: float = RANK_STOP_S) -> None:
         try:

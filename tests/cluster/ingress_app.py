@@ -24,6 +24,7 @@ from ray import cloudpickle, serve  # noqa: E402
 
 from cluster.contract import GroupRequest  # noqa: E402
 from cluster.groups.stream import stream_chunks  # noqa: E402
+from cluster.api.api_key import ApiKey  # noqa: E402
 from cluster.api.ingress import build_ingress  # noqa: E402
 from cluster.metrics import get_metrics_store  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
@@ -102,7 +103,7 @@ class TinyGroup:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
+def server(tiny_llama, tmp_path_factory):
     # Replicas cannot import this helper module: ship the classes defined here by value.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     port = free_port()
@@ -113,12 +114,16 @@ def server(tiny_llama):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # No migration: the stand-in group fails on demand, and the error it maps to is tested
         # here (migration is tested against real groups in test_serve_failover).
+        # The key comes from a file, as a mounted Secret would bring it (rotated in a test).
+        key_file = tmp_path_factory.mktemp("api_key") / "key"
+        key_file.write_text(API_KEY + "\n")
         app = build_ingress(TinyGroup.bind(str(tiny_llama)), str(tiny_llama), MODEL,
-                            BLOCK_SIZE, 256, API_KEY, max_migrations=0)
+                            BLOCK_SIZE, 256, ApiKey((API_KEY,), file=str(key_file)),
+                            max_migrations=0)
         serve.run(app, name=APP, route_prefix="/")
         group = serve.get_deployment_handle("TinyGroup", app_name=APP)
         yield {"url": f"http://127.0.0.1:{port}", "port": port, "group": group,
-               "model_dir": tiny_llama}
+               "model_dir": tiny_llama, "key_file": key_file}
     finally:
         serve.shutdown()
         ray.shutdown()

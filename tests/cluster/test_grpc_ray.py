@@ -23,6 +23,7 @@ from ray import cloudpickle, serve  # noqa: E402
 
 import ingress_app  # noqa: E402
 from cluster.api.grpc_service import grpc_options  # noqa: E402
+from cluster.api.api_key import ApiKey  # noqa: E402
 from cluster.api.ingress import build_ingress  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
 from cluster.proto.tpserve.v1 import tpserve_pb2 as pb  # noqa: E402
@@ -52,7 +53,7 @@ def server(tiny_llama):
         group = TinyGroup.options(max_ongoing_requests=MAX_ONGOING,
                                   max_queued_requests=MAX_QUEUED)
         app = build_ingress(group.bind(str(tiny_llama)), str(tiny_llama), MODEL, BLOCK_SIZE,
-                            256, API_KEY, max_migrations=0)
+                            256, ApiKey((API_KEY,)), max_migrations=0)
         serve.run(app, name=APP, route_prefix="/")
         channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
         yield {"url": f"http://127.0.0.1:{http_port}", "stub": pb_grpc.TPServeStub(channel),

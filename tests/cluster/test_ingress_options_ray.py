@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 from ray import serve  # noqa: E402
 
+from cluster.api.api_key import ApiKey  # noqa: E402
 from cluster.api.ingress import build_ingress  # noqa: E402
 from cluster.api.request_limits import IngressLimits  # noqa: E402
 from tiny_models import hf_greedy  # noqa: E402
@@ -171,8 +172,8 @@ def trusted(server, tiny_llama):
     """A second ingress, in front of the same group, that trusts request chat templates (the
     server fixture's serve.shutdown removes it)."""
     limits = IngressLimits(trust_request_chat_template=True, prompt_timeout_s=PROMPT_TIMEOUT_S)
-    app = build_ingress(server["group"], str(tiny_llama), MODEL, BLOCK_SIZE, 256, API_KEY,
-                        limits=limits, max_migrations=0)
+    app = build_ingress(server["group"], str(tiny_llama), MODEL, BLOCK_SIZE, 256,
+                        ApiKey((API_KEY,)), limits=limits, max_migrations=0)
     serve.run(app, name=TRUSTED_APP, route_prefix="/trusted")
     return {**server, "url": server["url"] + "/trusted"}
 

@@ -172,6 +172,32 @@ def test_api_key(server):
     assert call(server, "GET", "/metrics", key=None)[0] == 200
 
 
+def test_a_rotated_key_file_takes_effect_without_a_restart(server):
+    """Add a key, then drop the old one: each change reaches the replica within seconds."""
+    key_file = server["key_file"]
+
+    def status_with(key):
+        return call(server, "GET", "/v1/models", key=key)[0]
+
+    def settles(key, want):
+        deadline = time.monotonic() + 10
+        while status_with(key) != want and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return status_with(key)
+
+    try:
+        key_file.write_text(f"{API_KEY}\nrotated-key\n")
+        assert settles("rotated-key", 200) == 200 and status_with(API_KEY) == 200
+        key_file.write_text("rotated-key\n")
+        assert settles(API_KEY, 401) == 401 and status_with("rotated-key") == 200
+        key_file.write_text("")  # a broken file keeps the keys the replica has: never open
+        time.sleep(1.5)
+        assert status_with("rotated-key") == 200 and status_with(None) == 401
+    finally:
+        key_file.write_text(API_KEY + "\n")
+        assert settles(API_KEY, 200) == 200
+
+
 def test_group_failure_is_a_5xx_or_an_error_event(client, group):
     group.configure.remote(failure="before").result()
     with pytest.raises(openai.InternalServerError) as info:

@@ -194,6 +194,9 @@ def test_a_tiered_engines_numbers_reach_metrics_text(tiny_llama, tmp_path):
         engine.shutdown()
     assert snapshot["kv_tier_spilled_bytes_total"] > 0
     assert snapshot["kv_tier_disk_written_bytes_total"] > 0
+    # Every kind from 0 (a counter must exist before it first moves); no GPU on a CPU rank.
+    assert snapshot["collective_errors_total"] == {"error": 0, "timeout": 0, "hang": 0}
+    assert not any(key.startswith("gpu_memory") for key in snapshot)
     store = m.MetricsStore()
     store.push("g0", snapshot)
     _, samples = parse(im.IngressMetrics("tiny", 256).render(store.snapshot(), {}))
@@ -231,3 +234,37 @@ def test_per_directory_disk_bytes_rendered_with_a_dir_label():
     assert samples[("tpserve:kv_tier_disk_dir_read_bytes_total",
                     labels(**g0, dir="/nvme1/kv"))] == 4096
     assert not any("unknown_mapping" in name for name, _ in samples)  # only declared mappings
+
+
+def test_collective_errors_by_kind_and_gpu_memory_by_rank_rendered():
+    store = m.MetricsStore()
+    store.push("g0", {**SNAPSHOT,
+                      "collective_errors_total": {"error": 0, "timeout": 1, "hang": 1},
+                      "gpu_memory_used_bytes": {"0": 60e9, "1": 70e9},
+                      "gpu_memory_total_bytes": {"0": 80e9, "1": 80e9}})
+    families, samples = parse(im.IngressMetrics("tiny", 256).render(store.snapshot(), {}))
+    g0 = dict(model_name="tiny", group="g0")
+    assert families["tpserve:collective_errors"].type == "counter"
+    assert "by kind" in families["tpserve:collective_errors"].documentation
+    assert samples[("tpserve:collective_errors_total", labels(**g0, kind="error"))] == 0
+    assert samples[("tpserve:collective_errors_total", labels(**g0, kind="timeout"))] == 1
+    assert samples[("tpserve:collective_errors_total", labels(**g0, kind="hang"))] == 1
+    assert families["tpserve:gpu_memory_used_bytes"].type == "gauge"
+    assert samples[("tpserve:gpu_memory_used_bytes", labels(**g0, rank="1"))] == 70e9
+    assert samples[("tpserve:gpu_memory_total_bytes", labels(**g0, rank="0"))] == 80e9
+    assert "CUDA-graph replays" in families["tpserve:allreduce_latency_seconds"].documentation
+
+
+def test_requests_in_flight_and_their_limit_rendered():
+    from cluster.api.admission import IngressAdmission
+
+    ingress = im.IngressMetrics("tiny", 256)
+    admission = IngressAdmission(max_in_flight=8)
+    ingress.track_admission(admission)
+    release = admission.acquire(count=3)
+    _, samples = parse(ingress.render({}, {}))
+    assert samples[("tpserve:ingress_requests_in_flight", labels(model_name="tiny"))] == 3
+    assert samples[("tpserve:ingress_max_requests_in_flight", labels(model_name="tiny"))] == 8
+    release()
+    _, samples = parse(ingress.render({}, {}))
+    assert samples[("tpserve:ingress_requests_in_flight", labels(model_name="tiny"))] == 0

@@ -1,5 +1,6 @@
 """Ranks 1..N-1 as Ray actors (``cluster.groups.rank_actor.RayRankActors``) while rank 0 waits for them
-at the rendezvous: a rank that fails before it joins fails rank 0 at once, with its error."""
+at the rendezvous: a rank that fails before it joins fails rank 0 at once, with its error; a rank
+whose collective fails later reports it to rank 0 (``RayRankActors.reports``)."""
 
 from __future__ import annotations
 
@@ -47,4 +48,27 @@ def test_a_rank_actor_that_fails_before_the_rendezvous_fails_rank_0_at_once(one_
     finally:
         for actor in launched[0].actors if launched else ():
             ray.kill(actor)
+        remove_placement_group(group)
+
+
+def test_a_rank_actors_failed_collective_reaches_rank_0(one_node, tiny_llama):
+    group = placement_group([{"CPU": 0.1}] * 2)
+    ray.get(group.ready(), timeout=60)
+
+    def launcher(configs):
+        return RayRankActors(configs, group, cpus_per_rank=0.1, gpus_per_rank=0.0)
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), tp_size=2, num_kv_blocks=64,
+                                    step_timeout_s=1.5), launcher=launcher)
+    try:
+        # Rank 0 sends no plan past the step timeout: rank 1's wait for one times out.
+        with engine._keepalive.lock:
+            deadline = time.monotonic() + 30
+            while engine.collective_errors()["timeout"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            reports = {r.rank: r.collective_errors for r in engine.rank_reports()}
+        assert reports == {0: {"error": 0, "timeout": 0, "hang": 0},
+                           1: {"error": 0, "timeout": 1, "hang": 0}}
+    finally:
+        engine.shutdown(failed=True)
         remove_placement_group(group)

@@ -36,6 +36,18 @@ def test_defaults_are_tpserve_serves():
     assert (config.min_groups, config.max_groups, config.api_key) == (1, 1, None)
 
 
+def test_the_key_file_is_read_where_the_application_is_built(tmp_path):
+    """A cluster's build task has no shell of the user's: the key comes from a file there."""
+    path = tmp_path / "api_key"
+    path.write_text("from-file\n")
+    config = serve_config_from_args({"api_key_file": str(path)}, {})
+    assert config.api_key is None and config.api_key_file == str(path)
+    with pytest.raises(ValueError, match=r"args.api_key_file: .*/absent: no such file on "):
+        serve_config_from_args({"api_key_file": str(tmp_path / "absent")}, {})
+    with pytest.raises(ValueError, match="args.api_key_env and args.api_key_file: give one"):
+        serve_config_from_args({"api_key_file": str(path), "api_key_env": "K"}, {"K": "v"})
+
+
 @pytest.mark.parametrize("args,words", [
     ({"tp_size": 2}, "args.tp_size: unknown key; expected one of"),
     ({"tp": "2"}, "args.tp: expected an integer, got '2'"),
@@ -50,6 +62,10 @@ def test_defaults_are_tpserve_serves():
     ({"disk_kv_dir": "/a,,/b", "host_kv_gb": 1, "disk_kv_gb": 1},
      "args.disk_kv_dir '/a,,/b': entry 2 is empty"),
     ({"api_key": "s3cret"}, "args.api_key: not an application arg"),
+    ({"ingress_replicas": 2}, "args.ingress_replicas: expected a string"),
+    ({"ingress_replicas": "3:1"}, "args.ingress_replicas must be N or MIN:MAX with 1 <= MIN"),
+    ({"ingress_replicas": "0"}, "args.ingress_replicas must be N or MIN:MAX with 1 <= MIN"),
+    ({"ingress_replicas": "two"}, "args.ingress_replicas must be N or MIN:MAX, got 'two'"),
     ({"port": 9000}, "args.port: not an application arg; it comes from the file's http_options"),
     ({"api_key_env": "UNSET_VAR"},
      "args.api_key_env: the environment variable UNSET_VAR is not set"),

@@ -37,7 +37,9 @@ def test_a_group_spanning_two_nodes_equals_transformers_and_survives_losing_one(
             # connection (the request's migration is what is tested, not the proxy's).
             serve.start(proxy_location="HeadOnly",
                         http_options={"host": "127.0.0.1", "port": port})
-            client = serve_app(tiny_llama, port, placement_strategy="STRICT_SPREAD")
+            # One ingress replica: the group's migration is tested, not an ingress's loss.
+            client = serve_app(tiny_llama, port, placement_strategy="STRICT_SPREAD",
+                               ingress_replicas="1")
             handle = serve.get_deployment_handle("TPGroup", app_name="tpserve")
             ranks = handle.rank_info.remote().result()
             assert len({rank["node"] for rank in ranks}) == 2

@@ -19,12 +19,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.ports import free_port
-from monitoring import (REPO, alert_exprs, dashboard_exprs, metric_names, read_alerts,
-                        read_dashboard, scraped_names)
+from monitoring import (GPU_ONLY, PROMETHEUS_SERIES, REPO, alert_exprs, dashboard_exprs,
+                        metric_names, read_alerts, read_dashboard, scraped_names)
 
 openai = pytest.importorskip("openai")
 
@@ -133,6 +135,7 @@ def test_every_metric_the_alerts_and_dashboard_query_is_exposed(served):
         wanted |= metric_names(expr)
     for expr in dashboard_exprs(read_dashboard()):
         wanted |= metric_names(expr)
+    wanted -= PROMETHEUS_SERIES | GPU_ONLY  # this machine has no GPU
     deadline = time.monotonic() + 30
     while True:  # groups push their numbers about once a second
         status, text = get(f"{served}/metrics")
@@ -143,3 +146,39 @@ def test_every_metric_the_alerts_and_dashboard_query_is_exposed(served):
         time.sleep(1)
     assert not missing, f"queried but not exposed: {sorted(missing)}"
     assert len(wanted) >= 8
+
+
+def scraped_total(base: str, name: str) -> float:
+    status, text = get(f"{base}/metrics")
+    assert status == 200, text[:500]
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name)
+
+
+def ingress_replica_processes() -> int:
+    return sum(1 for p in psutil.process_iter(["cmdline"])
+               if any(":OpenAIIngress" in part for part in p.info["cmdline"] or ()))
+
+
+def test_metrics_add_up_over_the_ingress_replicas(served):
+    """serve.yaml runs two ingress replicas: /metrics says the same whichever one answers."""
+    assert ingress_replica_processes() >= 2
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    name = "tpserve:request_success_total"
+    before = settled_total(served, name)
+    for _ in range(8):
+        client.completions.create(model="qwen2.5-7b-instruct", prompt="hi", max_tokens=1)
+    assert settled_total(served, name) == before + 8
+
+
+def settled_total(base: str, name: str, timeout_s: float = 20) -> float:
+    """The total once six scrapes in a row (each answered by any replica) agree."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = []
+        for _ in range(6):
+            seen.append(scraped_total(base, name))
+            time.sleep(0.3)
+        if len(set(seen)) == 1 or time.monotonic() > deadline:
+            assert len(set(seen)) == 1, f"scrapes disagree: {seen}"
+            return seen[0]

@@ -213,7 +213,8 @@ def test_tp8_autoscaling_with_tiers_and_monitoring():
     assert claim["storageClassName"] == "local-nvme"
     monitors = [d for d in docs if d["kind"] == "PodMonitor"]
     endpoints = [e for m in monitors for e in m["spec"]["podMetricsEndpoints"]]
-    assert {"port": "serve", "path": "/metrics", "interval": "15s"} in endpoints
+    assert {"port": "serve", "path": "/metrics", "interval": "15s",  # the job TPServeDown watches
+            "relabelings": [{"targetLabel": "job", "replacement": "demo-tpserve"}]} in endpoints
     assert all(m["metadata"]["labels"]["release"] == "kube-prometheus-stack" for m in monitors)
     rule = only(docs, "PrometheusRule")
     exprs = {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -71,7 +72,7 @@ def test_gpu_cluster_head_has_no_gpus_and_workers_scale_between_bounds():
     assert any("/mnt/nvme" in cmd for cmd in workers["initialization_commands"])
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", ["cluster-local.yaml"])  # cluster.yaml: the image holds tpserve
 def test_tpserve_is_installed_and_the_disk_tier_is_on_nvme(name):
     config = load(name)
     assert any("pip install" in cmd and "$HOME/tpserve" in cmd for cmd in setup_commands(config))
@@ -90,7 +91,7 @@ def setup_commands(config: dict) -> list:
             for cmd in config.get(key, [])]
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", ["cluster-local.yaml"])
 def test_editable_installs_resolve_the_mounted_checkout_in_a_shell(name, tmp_path):
     """Each `pip install -e` setup command, run by bash as `ray up` runs it, with HOME holding
     the checkout where file_mounts puts it (~/tpserve): pip must find the project there. A
@@ -113,6 +114,42 @@ def test_editable_installs_resolve_the_mounted_checkout_in_a_shell(name, tmp_pat
         assert install["metadata"]["name"] == "tpserve"
         assert install["download_info"] == {"url": (tmp_path / "tpserve").as_uri(),
                                             "dir_info": {"editable": True}}
+
+
+def test_aws_cluster_runs_the_image_and_installs_nothing_of_tpserve():
+    """cluster.yaml runs deploy/docker's image on every node (the tag of the chart's image and of
+    the package's version), with the GPUs, the checkpoint and the NVMe tier mounted into it."""
+    config = load("cluster.yaml")
+    docker = config["docker"]
+    name, tag = docker["image"].rsplit(":", 1)
+    chart = yaml.safe_load((REPO / "helm" / "tpserve" / "values.yaml").read_text())
+    version = re.search(r'^version = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.M)
+    assert name.endswith("/tpserve") and tag == chart["image"]["tag"] == version.group(1)
+    assert "--gpus all" in docker["worker_run_options"]
+    assert "--volume /models:/models" in docker["run_options"]
+    assert "--volume /mnt/nvme:/mnt/nvme" in docker["worker_run_options"]
+    assert not any("pip install" in cmd and "tpserve" in cmd for cmd in setup_commands(config))
+    assert "~/tpserve" not in config["file_mounts"]
+    disk_dir = yaml.safe_load((REPO / "deploy" / "ray" / "serve.yaml").read_text())[
+        "applications"][0]["args"]["disk_kv_dir"]
+    workers = config["available_node_types"]["gpu-a10g-x4"]
+    assert any(disk_dir in cmd and "1000:1000" in cmd for cmd in workers["initialization_commands"])
+    for node_type in config["available_node_types"].values():
+        assert any("/models" in cmd and "1000:1000" in cmd
+                   for cmd in node_type["initialization_commands"])
+
+
+def test_aws_nodes_boot_a_current_deep_learning_base_ami():
+    """Not `latest_dlami` (Ray resolves it to an Ubuntu 18.04 AMI whose glibc current torch
+    wheels cannot run on): AWS's Deep Learning Base AMI with NVIDIA's driver on Ubuntu 24.04, by
+    its SSM parameter, or a pinned id."""
+    ssm = ("resolve:ssm:/aws/service/deeplearning/ami/x86_64/"
+           "base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id")
+    config = load("cluster.yaml")
+    images = {t["node_config"]["ImageId"] for t in config["available_node_types"].values()}
+    assert len(images) == 1, f"head and workers boot different AMIs: {images}"
+    [image] = images
+    assert image == ssm or re.fullmatch(r"ami-[0-9a-f]{8,17}", image), image
 
 
 def test_local_cluster_lists_its_hosts_and_keeps_them_all():

@@ -16,11 +16,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from parallel.latency import LatencyRecorder, SampledEventTimer
+from parallel.collective_timer import EventTimer
+from parallel.latency import LatencyRecorder
 from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
-from workers.multiproc import free_tcp_init_method
+from two_ranks import run_two_ranks
 
 
 class FakeDevice:
@@ -31,18 +31,19 @@ class FakeDevice:
         self.num_completed = 0
         self.num_events = 0
 
-    def event(self, enable_timing: bool = False) -> "FakeEvent":
+    def event(self, enable_timing: bool = False, external: bool = False) -> "FakeEvent":
         assert enable_timing, "timing events need enable_timing=True"
         self.num_events += 1
-        return FakeEvent(self)
+        return FakeEvent(self, external)
 
     def complete_all(self) -> None:
         self.num_completed = self.num_recorded
 
 
 class FakeEvent:
-    def __init__(self, device: FakeDevice) -> None:
+    def __init__(self, device: FakeDevice, external: bool = False) -> None:
         self.device = device
+        self.external = external
         self.seq = None
 
     def record(self, stream=None) -> None:
@@ -156,7 +157,7 @@ def test_summary_reads_completed_timings(fake_cuda):
         {"count": 1, "p50_s": 0.0015, "p99_s": 0.0015, "mean_s": 0.0015})
 
 
-def test_no_events_while_a_cuda_graph_is_captured(fake_cuda, monkeypatch):
+def test_no_events_in_a_capture_the_timer_was_not_told_of(fake_cuda, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     tp = cuda_group(all_reduce_timing_interval=1)
     tp.all_reduce(CUDA_TENSOR)
@@ -167,7 +168,8 @@ def test_no_events_while_a_cuda_graph_is_captured(fake_cuda, monkeypatch):
 def test_sampled_event_timer_alone():
     device = FakeDevice()
     recorder = LatencyRecorder()
-    timer = SampledEventTimer(recorder, every=3, new_event=lambda: device.event(True))
+    timer = EventTimer(recorder, every=3, new_event=lambda external: device.event(True),
+                       is_capturing=lambda: False)
     starts = [timer.start() for _ in range(4)]
     assert [s is not None for s in starts] == [True, False, False, True]
     timer.stop(starts[0])
@@ -182,7 +184,8 @@ def test_timing_interval_must_be_positive():
     with pytest.raises(ValueError, match="all_reduce_timing_interval"):
         TPGroupConfig(0, 2, "tcp://127.0.0.1:1", all_reduce_timing_interval=0)
     with pytest.raises(ValueError, match="N >= 1"):
-        SampledEventTimer(LatencyRecorder(), every=0, new_event=lambda: None)
+        EventTimer(LatencyRecorder(), every=0, new_event=lambda external: None,
+                   is_capturing=lambda: False)
 
 
 def test_cpu_all_reduce_is_timed_on_the_host_every_call(monkeypatch):
@@ -204,21 +207,6 @@ def _gloo_all_reduces(rank, world, init_method, results):
     results.put((rank, len(samples), all(s > 0.0 for s in samples),
                  tp.all_reduce_latency.num_pending_events))
     tp.destroy()
-
-
-def run_two_ranks(target, *args) -> list:
-    """``target(rank, 2, init_method, *args, results)`` in two spawned processes; what they put
-    in ``results``, sorted."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init = free_tcp_init_method()
-    procs = [ctx.Process(target=target, args=(r, 2, init, *args, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    rows = sorted(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
-    return rows
 
 
 @pytest.mark.multiproc

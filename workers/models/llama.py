@@ -133,6 +133,7 @@ class LlamaForCausalLM(nn.Module):
         """``attention``: the backend every layer attends with (default: the torch one)."""
         super().__init__()
         self.config = config
+        self.tp = tp  # its collectives' timer times them inside captured graphs too
         self.attention = attention or TorchAttentionBackend()
         self.model = LlamaModel(config, tp, dtype, max_positions, self.attention)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
