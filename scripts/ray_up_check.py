@@ -15,8 +15,12 @@ Phases, each timed:
 5. serve_deploy: `serve deploy` of serve.yaml's copy through the head's dashboard, until RUNNING;
 6. requests: the `openai` client through the head's port 8000: a greedy answer equal to
    `transformers`' on the same checkpoint, 401 without the key and with a wrong one;
-7. ray_down: `ray down -y`, then no process but sshd left on either host;
-8. cleanup (always, also on SIGINT/SIGTERM/SIGHUP): every process, namespace, link and file the
+7. key_rotation: a new key in the local key file, `ray up --no-restart`: the nodes stay, the new
+   key is accepted and the old one refused;
+8. ray_down: `ray down -y`, which stops Ray on the head only (the local provider's "terminate"
+   runs nothing on a worker), then `ray stop` on the worker over ssh, as the docs say; then no
+   Ray process may be left on either host;
+9. cleanup (always, also on SIGINT/SIGTERM/SIGHUP): every process, namespace, link and file the
    check made is removed (`--keep`: left, and the command that removes them printed).
 
 Prints each phase's time and the total; the last line is one JSON object. Exit status 0 when every
@@ -48,9 +52,11 @@ APP = "tpserve"
 SERVED_NAME = "smollm2-135m-instruct"
 # serve.yaml's sizes for two 2-core CPU hosts: one TP 3 group (SmolLM2's 9 heads divide by 3)
 # spread over both hosts, and small KV pools and tiers.
-# `ray down` stops Ray on the head only (the local provider's "terminate" runs nothing on a
-# worker): a worker's raylet exits once it has lost the head's GCS for a minute.
-RAY_GONE_S = 150.0
+# How long the hosts' Ray processes may take to exit after `ray stop`.
+RAY_GONE_S = 60.0
+# How long a rotated key may take to reach every ingress: the head's next autoscaler update syncs
+# the workers' file mounts (about 5 s), each ingress re-reads the file within a second.
+ROTATION_S = 120.0
 CPU_SIZES = {"tp": 3, "groups": "1", "device": "cpu", "kv_cache_gb": 0.05,
              "max_model_len": 2048, "host_kv_gb": 0.05, "disk_kv_gb": 0.1,
              "placement_strategy": "SPREAD"}
@@ -152,7 +158,7 @@ def write_configs(run: Run, made: Dict, network: hosts.Network) -> Dict:
         ssh_private_key=str(made["key"]), key_dir=str(made["key_dir"])))
     serve = configs.serve_config(configs.load(configs.SERVE_YAML), configs.ServeFields(
         model=f"{hosts.MODELS_MOUNT}/{made['checkpoint'].name}", served_model_name=SERVED_NAME,
-        sizes=CPU_SIZES, api_key="env:TPSERVE_API_KEY"))
+        sizes=CPU_SIZES, api_key="file"))
     note = "written by scripts/ray_up_check.py from the shipped file"
     return {"cluster_yaml": configs.write(cluster, run.workdir / "cluster-local.yaml", note),
             "serve_yaml": configs.write(serve, run.workdir / "serve.yaml", note)}
@@ -209,16 +215,42 @@ def requests(clock: Clock, head: str, made: Dict, details: Dict) -> None:
                               f"got {codes}")
 
 
-def ray_down(clock: Clock, runner: Runner, run: Run, yaml_path: Path) -> None:
+def rotate_key(clock: Clock, runner: Runner, timeout_s: float, head: str, made: Dict) -> None:
+    """A new key in the key file and `ray up --no-restart`: the same Ray nodes stay up, and
+    every try with the new key passes while every try with the old one gets 401."""
+    dashboard, base = f"http://{head}:8265", f"http://{head}:8000/v1"
+    with clock.phase("key_rotation"):
+        before = sorted(node["node_id"] for node in serving.alive_nodes(dashboard))
+        old, new = made["api_key"], secrets.token_hex(32)
+        (made["key_dir"] / "api_key").write_text(new)
+        runner.run("ray_up_no_restart", [str(BIN / "ray"), "up", "-y", "--no-restart",
+                                         "--no-config-cache", str(made["cluster_yaml"])],
+                   timeout_s=timeout_s)
+        serving.wait_for("the new key accepted and the old one refused, 8 tries each",
+                         lambda: serving.rotated(base, old, new, tries=8), ROTATION_S, 1.0)
+        after = sorted(node["node_id"] for node in serving.alive_nodes(dashboard))
+        if after != before:
+            raise CheckFailed(f"key_rotation: `ray up --no-restart` restarted Ray: nodes "
+                              f"{before} before, {after} after")
+        made["api_key"] = new
+
+
+def ray_down(clock: Clock, runner: Runner, run: Run, made: Dict) -> None:
+    """`ray down`, then what docs/deployment.md tells users to do after it: `ray stop` on each
+    worker over ssh; then no Ray process may be left on any host."""
     with clock.phase("ray_down"):
-        runner.run("ray_down", [str(BIN / "ray"), "down", "-y", str(yaml_path)], timeout_s=300)
-        began = time.monotonic()
+        runner.run("ray_down", [str(BIN / "ray"), "down", "-y", str(made["cluster_yaml"])],
+                   timeout_s=300)
+        for worker in run.network.hosts[1:]:
+            runner.run("worker_ray_stop", [
+                "ssh", "-i", str(made["key"]), "-o", "BatchMode=yes", "-o",
+                "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+                f"root@{worker.address}", "tpserve-venv/bin/ray stop"], timeout_s=120)
         try:
             serving.wait_for("no Ray process left on any host", lambda: None if any(
                 ray_processes(run.network).values()) else True, RAY_GONE_S, period_s=1.0)
         except CheckFailed as exc:
             raise CheckFailed(f"ray_down: {exc}: {ray_processes(run.network)}") from None
-        run.details["ray_gone_after_down_s"] = round(time.monotonic() - began, 1)
 
 
 def ray_processes(network: hosts.Network) -> Dict[str, List[str]]:
@@ -294,7 +326,8 @@ def phases(args: argparse.Namespace, run: Run, clock: Clock) -> None:
     ray_up(clock, runner, args.timeout_s, head, made["cluster_yaml"])
     deploy(clock, runner, args.timeout_s, head, made["serve_yaml"])
     requests(clock, head, made, run.details)
-    ray_down(clock, runner, run, made["cluster_yaml"])
+    rotate_key(clock, runner, args.timeout_s, head, made)
+    ray_down(clock, runner, run, made)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -84,6 +84,19 @@ def status_of(call: Callable[[], Any]) -> int:
         return exc.status_code
 
 
+def rotated(base_url: str, old: str, new: str, tries: int) -> Optional[bool]:
+    """True when `tries` listings of the models with the new key all pass and as many with the
+    old key all get 401 (the proxy spreads them over the ingress replicas); else None."""
+    import openai
+
+    def listing(key: str) -> int:
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30)
+        return status_of(client.models.list)
+
+    codes = [(listing(new), listing(old)) for _ in range(tries)]
+    return True if all(pair == (200, 401) for pair in codes) else None
+
+
 def check_answer(completion, expected: Optional[str]) -> Dict[str, Any]:
     """The answer's figures; `CheckFailed` unless it holds real tokens (and, with `expected`,
     equals `transformers`' greedy answer on the same checkpoint)."""
@@ -105,7 +118,7 @@ def reference_answer(model_dir: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
                                         add_generation_prompt=True, return_tensors="pt")
     if not isinstance(ids, torch.Tensor):  # transformers 5 returns a BatchEncoding

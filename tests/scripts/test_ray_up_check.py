@@ -143,3 +143,17 @@ def test_boot_script_binds_the_model_before_covering_root(tmp_path):
     assert model < lines.index(f"mount --bind {host.home} /root")
     assert lines[-1].startswith("exec /usr/sbin/sshd -D") and "hostname tpsr-1-head" in lines
     assert f"ListenAddress {host.address}" in hosts.sshd_config(host)
+
+
+def test_shipped_cluster_local_keeps_what_the_real_run_needed():
+    """Each fix the first real `ray up` needed (docs/deployment.md#on-prem-hosts), by name."""
+    config = configs.load(configs.CLUSTER_YAML)
+    setup = config["setup_commands"]
+    assert not any("--user" in cmd for cmd in setup), "PEP 668: system pip refuses --user"
+    assert any("python3 -m venv ~/tpserve-venv" in cmd for cmd in setup)
+    path_line = next(cmd for cmd in setup if "~/.bashrc" in cmd)
+    assert 'export PATH="$HOME/tpserve-venv/bin:$PATH"' in path_line  # ray on PATH for Ray's shell
+    assert setup.index(path_line) < next(i for i, c in enumerate(setup) if "pip install" in c)
+    assert "RAY_enable_autoscaler_v2=0" in " ".join(config["head_start_ray_commands"])
+    assert config["file_mounts"][configs.REMOTE_KEY_DIR] == "~/.tpserve"
+    assert config["file_mounts_sync_continuously"] is True  # a rotated key reaches the workers
