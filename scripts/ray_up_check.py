@@ -1,6 +1,6 @@
 """`ray up deploy/ray/cluster-local.yaml` on two hosts made on this machine, end to end:
 
-    sudo python -m scripts.ray_up_check             # from the repository root; about 5 minutes
+    sudo python -m scripts.ray_up_check             # from the repository root; about 4 minutes
     sudo python -m scripts.ray_up_check --keep      # leave the hosts up to look around
 
 Phases, each timed:
@@ -39,7 +39,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -70,6 +69,7 @@ class Run:
     network: Optional[hosts.Network] = None
     host_processes: Dict[str, subprocess.Popen] = field(default_factory=dict)
     ssh_control: Optional[Path] = None
+    ssh_control_parent_existed: bool = False
     details: Dict = field(default_factory=dict)
 
 
@@ -294,8 +294,9 @@ def cleanup(run: Run, keep: bool) -> List[str]:
     problems = hosts.stop_hosts(run.host_processes, run.network) if run.network else []
     if run.ssh_control is not None:
         shutil.rmtree(run.ssh_control, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            run.ssh_control.parent.rmdir()  # only when no other cluster's control path is there
+        if not run.ssh_control_parent_existed:
+            with contextlib.suppress(OSError):
+                run.ssh_control.parent.rmdir()  # only when empty: another cluster may use it
     shutil.rmtree(run.workdir, ignore_errors=True)
     if run.workdir.exists():
         problems.append(f"{run.workdir} is still there")
@@ -322,6 +323,7 @@ def phases(args: argparse.Namespace, run: Run, clock: Clock) -> None:
         start_hosts(run, made)
         made.update(write_configs(run, made, run.network))
     run.ssh_control = ssh_control_path(run.network.bridge, "root")
+    run.ssh_control_parent_existed = run.ssh_control.parent.exists()
     head = run.network.hosts[0].address
     ray_up(clock, runner, args.timeout_s, head, made["cluster_yaml"])
     deploy(clock, runner, args.timeout_s, head, made["serve_yaml"])
@@ -350,7 +352,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"FAILED: {run.details['error']}", file=sys.stderr, flush=True)
     finally:
         if args.logs_to is not None:
-            save_logs(run, args.logs_to)
+            try:
+                save_logs(run, args.logs_to)
+            except OSError as exc:  # the cleanup below runs whatever happens here
+                print(f"logs not copied to {args.logs_to}: {exc}", file=sys.stderr)
         with clock.phase("cleanup"):
             problems = cleanup(run, args.keep)
     print(f"total {clock.total():.1f} s")
