@@ -78,15 +78,20 @@ def test_bad_args_name_the_key(args, words):
     assert words in str(info.value)
 
 
-def test_the_shipped_file_is_read_as_serve_reads_it(monkeypatch):
-    monkeypatch.setenv("TPSERVE_API_KEY", "k")
+def test_the_shipped_file_is_read_as_serve_reads_it(monkeypatch, tmp_path):
+    (tmp_path / ".tpserve").mkdir()
+    (tmp_path / ".tpserve" / "api_key").write_text("k\n")
+    monkeypatch.setenv("HOME", str(tmp_path))
     plan = plan_from_file(SERVE_YAML)
     assert plan.app_name == "tpserve" and (plan.host, plan.port) == ("0.0.0.0", 8000)
-    assert plan.config.engine.tp_size == 2 and plan.config.api_key == "k"
+    assert plan.config.engine.tp_size == 2 and plan.config.api_key_file == "~/.tpserve/api_key"
     assert plan.config.engine.device == "cuda" and plan.config.engine.disk_kv_dir
+    assert plan.config.ingress_replicas == "2:4"
     assert plan.grpc_options["port"] == 9000
-    text = SERVE_YAML.read_text()
-    assert IMPORT_PATH in text and "TPSERVE_API_KEY" in text
+    assert IMPORT_PATH in SERVE_YAML.read_text()
+    monkeypatch.setenv("HOME", str(tmp_path / "nobody"))
+    with pytest.raises(ValueError, match="args.api_key_file: ~/.tpserve/api_key: no such file"):
+        plan_from_file(SERVE_YAML)
 
 
 def write_config(tmp_path, args, **top):

@@ -5,7 +5,8 @@ The test runs Serve's own `serve run` CLI on a copy of deploy/ray/serve.yaml in 
 this machine cannot take is replaced (`serve run` ignores key=value overrides for a config file):
 the model (a tiny checkpoint built here), `device: cpu`, sizes in blocks instead of GiB (KV pool
 and tiers), `max_model_len`, the disk tier's directory and the HTTP port. Everything else (import
-path, TP 2, groups "1:8", KV target, eviction, `api_key_env`) runs as written.
+path, TP 2, groups "1:8", two ingress replicas, KV target, eviction, `api_key_file:
+~/.tpserve/api_key` under a HOME of the test's own) runs as written.
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ def served(tiny_llama, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("serve_run")
     port = free_port()
     config = config_for_this_machine(tiny_llama, tmp_path, port)
-    env = {**os.environ, "TPSERVE_API_KEY": API_KEY, "PYTHONPATH": str(REPO),
+    home = tmp_path / "home"
+    (home / ".tpserve").mkdir(parents=True)
+    (home / ".tpserve" / "api_key").write_text(API_KEY + "\n")
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(REPO),
            "RAY_USAGE_STATS_ENABLED": "0"}
     serve_cli = Path(sys.executable).parent / "serve"
     log = open(tmp_path / "serve_run.log", "w")
@@ -121,7 +125,7 @@ def test_serve_run_of_the_config_file_answers_the_openai_client(served):
     chat = client.chat.completions.create(model="qwen2.5-7b-instruct", max_tokens=4,
                                           messages=[{"role": "user", "content": "hello"}])
     assert chat.usage.completion_tokens >= 1
-    # The key named by api_key_env is enforced.
+    # The key in the file named by api_key_file is enforced.
     stranger = openai.OpenAI(base_url=f"{served}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         stranger.models.list()

@@ -100,10 +100,10 @@ def test_serve_copy_sets_model_sizes_and_key_source_and_parses():
     assert args["model"] == "/mnt/models/m" and args["api_key_env"] == "KEY"
     assert {key: args[key] for key in sizes} == sizes
     old = shipped["applications"][0]["args"]
-    assert {k: v for k, v in args.items() if k not in (*sizes, "model", "served_model_name",
-                                                       "api_key_env")} == \
-        {k: v for k, v in old.items() if k not in (*sizes, "model", "served_model_name",
-                                                   "api_key_env")}
+    mine = (*sizes, "model", "served_model_name", "api_key_env", "api_key_file")
+    assert {k: v for k, v in args.items() if k not in mine} == \
+        {k: v for k, v in old.items() if k not in mine}
+    assert "api_key_file" not in args  # one source: the file's own gave way to the variable
     assert set(args) - {"api_key_env"} <= set(arg_options())
     assert made["http_options"] == shipped["http_options"]
     as_file = configs.serve_config(shipped, configs.ServeFields(model="m", served_model_name="m"))
