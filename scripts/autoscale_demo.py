@@ -96,7 +96,9 @@ def run(args: argparse.Namespace) -> dict:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine = EngineConfig(model=args.model, tp_size=args.tp, block_size=args.block_size,
                           num_kv_blocks=args.kv_blocks, max_model_len=args.max_model_len)
+    # The groups' autoscaling is what it shows: one ingress replica.
     config = ServeConfig(engine=engine, min_groups=1, max_groups=args.max_groups,
+                         ingress_replicas="1",
                          served_model_name="demo", upscale_delay_s=args.upscale_delay_s,
                          downscale_delay_s=args.downscale_delay_s,
                          autoscale_look_back_s=args.look_back_s)

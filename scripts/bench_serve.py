@@ -130,6 +130,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", default="default", help="'default' or a checkpoint directory")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--groups", type=int, default=2)
+    p.add_argument("--ingress-replicas", default="1",
+                   help="ingress replicas, N or MIN:MAX (default 1: the routers are compared in "
+                        "one ingress, as in the published figures; tpserve serve's default is 2:4)")
     p.add_argument("--kv-blocks", default="auto",
                    help="KV pool blocks per group, or 'auto': working set / --kv-pressure")
     p.add_argument("--kv-pressure", type=float, default=3.0,
@@ -260,7 +263,8 @@ def serve_config(args: argparse.Namespace, work: Workload, target: float) -> Any
                           num_kv_blocks=work.meta["kv_blocks"], seed=args.seed,
                           host_kv_blocks=args.host_kv_blocks or None)
     return ServeConfig(engine=engine, min_groups=args.groups, max_groups=args.groups,
-                       served_model_name=work.model_dir.name, kv_target_occupancy=target)
+                       served_model_name=work.model_dir.name, kv_target_occupancy=target,
+                       ingress_replicas=args.ingress_replicas)
 
 
 def set_arrivals(args: argparse.Namespace, work: Workload, endpoint: Endpoint) -> None:

@@ -77,7 +77,9 @@ def start_app(args: argparse.Namespace, port: int) -> None:
                           num_kv_blocks=args.kv_blocks, step_timeout_s=args.step_timeout_s)
     # Queues sized for a small CPU host, so that the flood goes past them (429) rather than
     # waiting minutes in them; the defaults follow the KV pool (hundreds of requests a group).
+    # One ingress: the flood is sized against one replica's limits (--max-queued).
     config = ServeConfig(engine=engine, min_groups=args.groups, max_groups=args.groups,
+                         ingress_replicas="1",
                          served_model_name="chaos", max_ongoing_requests=args.max_ongoing,
                          max_queued_requests=args.max_queued)
     serve.run(build_app(config, ray.cluster_resources()), name=APP, route_prefix="/")

@@ -31,6 +31,7 @@ def serve_and_check(host: str, model_dir: str, expected: dict) -> dict:
     serve.start(http_options={"host": host, "port": 8000}, proxy_location="HeadOnly")
     engine = EngineConfig(model=model_dir, tp_size=2, block_size=4, num_kv_blocks=64)
     config = ServeConfig(engine=engine, placement="plan", cpu_ranks_per_node=1,
+                         ingress_replicas="1",
                          served_model_name="tiny")
     serve.run(build_app(config, ray.cluster_resources()), name="tpserve", route_prefix="/")
     client = openai.OpenAI(base_url=f"http://{host}:8000/v1", api_key="unused", max_retries=0,

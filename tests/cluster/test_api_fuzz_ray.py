@@ -37,7 +37,7 @@ def base_url(tiny_llama):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         engine = EngineConfig(model=str(tiny_llama), tp_size=1, block_size=4,
                               num_kv_blocks=1024)
-        serve.run(build_app(ServeConfig(engine=engine, api_key=API_KEY,
+        serve.run(build_app(ServeConfig(engine=engine, api_key=API_KEY, ingress_replicas="1",
                                         served_model_name="tiny"), ray.cluster_resources()),
                   name="tpserve", route_prefix="/")
         yield f"http://127.0.0.1:{port}"

@@ -78,6 +78,7 @@ def client(cluster, tiny_llama):
     engine = EngineConfig(model=str(tiny_llama), tp_size=2, block_size=4, num_kv_blocks=32,
                           device="cpu")
     config = ServeConfig(engine=engine, min_groups=1, max_groups=3, placement="plan",
+                         ingress_replicas="1",
                          api_key=API_KEY,
                          served_model_name="tiny", autoscale_look_back_s=2.0,
                          upscale_delay_s=0.0, downscale_delay_s=600.0)

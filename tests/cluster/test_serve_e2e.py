@@ -36,6 +36,9 @@ def serve_app(model_dir, port, engine_kwargs=None, grpc_port=0, **config):
                 grpc_options=grpc_options(grpc_port))
     engine = EngineConfig(model=str(model_dir), tp_size=2, block_size=4, num_kv_blocks=128,
                           **(engine_kwargs or {}))
+    # One ingress replica unless a test asks for more: the default (two) is served in
+    # tests/deploy/test_deploy_serve_run.py, and each replica costs a process here.
+    config.setdefault("ingress_replicas", "1")
     app = build_app(ServeConfig(engine=engine, api_key=API_KEY, served_model_name="tiny",
                                 **config), ray.cluster_resources())
     serve.run(app, name="tpserve", route_prefix="/")
