@@ -10,7 +10,8 @@ the same token ids and the same machine.
 * Both systems: every request submitted at once, greedy, exactly the requested output tokens
   (``ignore_eos``), prefix caching off (rounds repeat the same prompts), timed around generation
   only (model load and a warm-up excluded). Per dtype, the two systems alternate on each
-  workload for ``--rounds`` rounds; the figures are medians over rounds.
+  workload for ``--rounds`` rounds, each run starting 2 s after the last (vLLM's worker polls
+  for 1 s after a step); the figures are medians over rounds.
 
 Printed: a table of output tok/s per system, dtype and workload, the ratio tpserve/vLLM and the
 share of the first ``--agree-tokens`` greedy tokens the two agree on (a broken comparison, e.g.
@@ -49,6 +50,9 @@ from scripts.vllm.venv import VenvError, ensure_venv  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 SMOKE = {"num_requests": 4, "decode_requests": 4, "rounds": 1, "max_output": 16}
+# vLLM's worker keeps polling its shared-memory queue for 1 s after its last step
+# (shm_broadcast's busy_loop_s): every timed run waits this long so no spinning overlaps it.
+SETTLE_S = 2.0
 
 
 class BenchInputError(ValueError):
@@ -140,12 +144,14 @@ def run_rounds(llm: LLM, vllm: VllmRunner, workloads: Sequence[Workload],
                files: Sequence[Path], dtype: str, rounds: int,
                threads: int) -> List[Measurement]:
     """Each round runs every workload on both systems, the one going first alternating between
-    rounds so that a drift in the machine's speed falls on both."""
+    rounds so that a drift in the machine's speed falls on both; each run starts ``SETTLE_S``
+    after the previous one ended."""
     found = []
     for rnd in range(rounds):
         for workload, path in zip(workloads, files):
             order = ("tpserve", "vllm") if rnd % 2 == 0 else ("vllm", "tpserve")
             for system in order:
+                time.sleep(SETTLE_S)
                 if system == "tpserve":
                     result, _ = run_tpserve(llm, workload)
                     torch.set_num_threads(threads)  # a rank in this process may have lowered it
