@@ -125,8 +125,12 @@ def build_workloads(rows, args: argparse.Namespace, max_model_len: int,
 
 
 def build_engine(model_dir: Path, dtype: str) -> LLM:
-    llm = LLM(EngineConfig(model=str(model_dir), dtype=dtype, enable_prefix_cache=False,
-                           record_steps=True))
+    """A warmed-up tpserve engine in ``dtype``, prefix caching off (rounds repeat prompts)."""
+    try:
+        llm = LLM(EngineConfig(model=str(model_dir), dtype=dtype, enable_prefix_cache=False,
+                               record_steps=True))
+    except (OSError, ValueError) as exc:
+        raise BenchInputError(f"--model {model_dir} in {dtype}: {exc}") from None
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     return llm
 
@@ -182,6 +186,8 @@ def _resolve_model(model: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> Dict[str, object]:
+    """Check the trace, set up vLLM's venv, then per dtype load both systems and run the rounds;
+    the summary of every measurement (``scripts/vllm/report.py``)."""
     started, load_start = time.perf_counter(), os.getloadavg()[0]
     rows = read_azure(args.trace, args.num_requests)  # bad files fail before anything loads
     python = ensure_venv(args.vllm_venv)
@@ -209,21 +215,27 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
                                                threads)
             finally:
                 llm.shutdown()
-    context = {"model": model_dir.name, "dtypes": args.dtypes,
-               "num_requests": args.num_requests, "decode_num_requests": args.decode_requests,
-               "prompt_scale": args.prompt_scale, "output_scale": args.output_scale,
-               "max_output": args.max_output, **cpu_info(_read_cpuinfo()),
-               "torch_version": torch.__version__, "torch_threads": threads,
-               "vllm_version": vllm_info["vllm_version"],
-               "vllm_torch_version": vllm_info["torch_version"],
-               "vllm_kv_cache_gib": args.vllm_kv_gb,
-               "vllm_reserved_cpus": args.vllm_reserved_cpus,
-               "vllm_worker_cores": vllm_info.get("worker_cores"),
-               "vllm_max_num_seqs": vllm_info.get("max_num_seqs"),
-               "vllm_max_num_batched_tokens": vllm_info.get("max_num_batched_tokens"),
-               "load_average_start": load_start, "load_average_end": os.getloadavg()[0],
-               "bench_wall_s": time.perf_counter() - started}
+    context = _context(args, model_dir, threads, vllm_info)
+    context.update({"load_average_start": load_start, "load_average_end": os.getloadavg()[0],
+                    "bench_wall_s": time.perf_counter() - started})
     return summary(measurements, args.agree_tokens, context)
+
+
+def _context(args: argparse.Namespace, model_dir: Path, threads: int,
+             vllm_info: Dict[str, object]) -> Dict[str, object]:
+    """What the figures were measured on and with: settings, CPU, versions, vLLM's limits."""
+    return {"model": model_dir.name, "dtypes": args.dtypes,
+            "num_requests": args.num_requests, "decode_num_requests": args.decode_requests,
+            "prompt_scale": args.prompt_scale, "output_scale": args.output_scale,
+            "max_output": args.max_output, **cpu_info(_read_cpuinfo()),
+            "torch_version": torch.__version__, "torch_threads": threads,
+            "vllm_version": vllm_info["vllm_version"],
+            "vllm_torch_version": vllm_info["torch_version"],
+            "vllm_kv_cache_gib": args.vllm_kv_gb,
+            "vllm_reserved_cpus": args.vllm_reserved_cpus,
+            "vllm_worker_cores": vllm_info.get("worker_cores"),
+            "vllm_max_num_seqs": vllm_info.get("max_num_seqs"),
+            "vllm_max_num_batched_tokens": vllm_info.get("max_num_batched_tokens")}
 
 
 def _read_cpuinfo() -> str:

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence, TextIO, Tuple
+from typing import Dict, List, Optional, Sequence, TextIO, Tuple
 
 WORKLOAD_FORMAT = 1
 
@@ -107,7 +107,7 @@ def serve(llm, requests: TextIO, results: TextIO) -> None:
                         "num_output_tokens": sum(len(o) for o in outputs), "outputs": outputs})
 
 
-def main(argv: Sequence[str] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description="vLLM side of scripts/bench_vs_vllm.py")
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", required=True)
