@@ -109,11 +109,6 @@ class TPGroup:
         raises (``not_collective``: see ``CollectiveErrors.counting``)."""
         return self.collective_errors.counting(not_collective)
 
-    @property
-    def num_collective_errors(self) -> int:
-        """This rank's failed collectives, every kind."""
-        return self.collective_errors.total
-
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks in place (timed); returns it."""
         if self.world_size == 1:
