@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
+from workers.structured.spec import StructuredOutput
+
 
 MAX_N = 64  # choices per request: each one is a sequence in the batch
 
@@ -20,7 +22,9 @@ class SamplingParams:
     ``presence_penalty`` / ``frequency_penalty`` (over the output, as OpenAI does),
     ``min_tokens`` (EOS and stop tokens are masked until that many tokens were generated),
     then temperature, ``top_k``, ``top_p``, ``min_p``. ``n`` choices share one prefill; with a
-    ``seed``, choice i draws from ``seed + i``."""
+    ``seed``, choice i draws from ``seed + i``. ``structured``: every output token keeps the
+    output a prefix of what the constraint accepts, and the request stops when it is complete
+    (`workers.structured`)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -39,6 +43,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Dict[int, float] = field(default_factory=dict)
+    structured: Optional[StructuredOutput] = None
 
     def __post_init__(self) -> None:
         self._check_ranges()
