@@ -53,12 +53,20 @@ class AttentionBackend(ABC):
         """Metadata for each layer of a step (layer i's window is ``layer_windows[i]``); every
         object has ``positions`` and ``slot_mapping`` ``[T]``."""
 
-    @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: StepMetadata,
                 scale: float) -> torch.Tensor:
         """Store ``key``/``value`` ``[T, Hkv, D]`` at their slots of ``k_cache``/``v_cache``
         ``[num_slots, Hkv, D]``, then attend ``query`` ``[T, H, D]``; returns ``[T, H * D]``."""
+        write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
+        return self.attend(query, key, value, k_cache, v_cache, metadata, scale)
+
+    @abstractmethod
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: StepMetadata,
+               scale: float) -> torch.Tensor:
+        """``forward`` once the step's ``key``/``value`` are in the cache (a model that writes
+        them itself, fused with its RoPE, calls this): ``[T, H * D]``."""
 
     def prepare(self, kv_cache: KVCache, num_heads: int) -> None:
         """Called once a rank's cache exists (``num_heads``: the model's query heads), before its
@@ -91,11 +99,10 @@ class TorchAttentionBackend(AttentionBackend):
         return list(build_layer_metadata(seqs, block_size, device, layer_windows,
                                          self.decode_bucket_size))
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: StepMetadata,
-                scale: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: StepMetadata,
+               scale: float) -> torch.Tensor:
         assert isinstance(metadata, AttentionMetadata)
-        write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
         return paged_attention(query, k_cache, v_cache, metadata, scale)
 
 
@@ -116,11 +123,10 @@ class TritonAttentionBackend(AttentionBackend):
                        layer_windows: Sequence[Optional[int]]) -> List[StepMetadata]:
         return list(build_block_table_metadata(seqs, block_size, device, layer_windows))
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: StepMetadata,
-                scale: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: StepMetadata,
+               scale: float) -> torch.Tensor:
         assert isinstance(metadata, BlockTableMetadata)
-        write_kv(k_cache, v_cache, key, value, metadata.slot_mapping)
         num_tokens, num_heads, head_dim = query.shape
         out = query.new_empty(num_tokens, num_heads * head_dim)  # [T, H*D]
         if metadata.num_decodes:

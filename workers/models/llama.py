@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kv.attention.backend import AttentionBackend, StepMetadata, TorchAttentionBackend
@@ -17,10 +16,8 @@ from parallel.linear import ColumnParallelLinear, QKVParallelLinear, RowParallel
 from parallel.tp_group import TPGroup
 from parallel.weights import default_weight_loader, set_weight_loader
 from workers.model_config import ModelConfig
+from workers.models.layer_ops import LayerOps, layer_ops, rms_norm
 from workers.models.rope import RotaryEmbedding
-
-
-_RMS_NORM = getattr(F, "rms_norm", None)  # torch >= 2.4
 
 
 class RMSNorm(nn.Module):
@@ -33,20 +30,14 @@ class RMSNorm(nn.Module):
         set_weight_loader(self.weight, default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and x.device.type == "cpu" and _RMS_NORM is not None:
-            # On CPU torch's rms_norm is the expression below, bit for bit, in one call: 8
-            # dispatched ops fewer, 2 per layer, on a decode step that dispatches thousands.
-            return _RMS_NORM(x, self.weight.shape, self.weight, self.eps)
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
-                 attention: AttentionBackend) -> None:
+                 attention: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
-        self.attention = attention
+        self.attention, self.ops = attention, ops
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_heads,
                                           config.num_kv_heads, config.qkv_bias, tp, dtype)
         self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size,
@@ -55,63 +46,70 @@ class LlamaAttention(nn.Module):
         self.scale = config.head_dim ** -0.5
         q_size, k_size, _ = self.qkv_proj.local_sizes
         self.num_q_heads = q_size // config.head_dim  # local
-        self.qk_size = q_size + k_size
+        self.num_kv_heads = k_size // config.head_dim  # local
 
     def forward(self, hidden: torch.Tensor, metadata: StepMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
                 rope: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``rope``: the step's cos/sin tables (`RotaryEmbedding.tables`)."""
-        num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H_local + 2 Hkv_local) * D]: q, k, v side by side
-        # q and k rotated in one pass: [T, H_local + Hkv_local, D]
-        qk = RotaryEmbedding.rotate(qkv[:, :self.qk_size].view(num_tokens, -1, self.head_dim),
-                                    rope)
-        q, k = qk[:, :self.num_q_heads], qk[:, self.num_q_heads:]
-        v = qkv[:, self.qk_size:].view(num_tokens, -1, self.head_dim)
-        # Writes k/v into the cache, then attends: [T, H_local*D]
-        out = self.attention.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
+        # q [T, H_local, D] and k [T, Hkv_local, D] rotated; k and v written into the cache
+        q, k, v = self.ops.rope_write_kv(qkv, rope, k_cache, v_cache, metadata.slot_mapping,
+                                         self.num_q_heads, self.num_kv_heads)
+        out = self.attention.attend(q, k, v, k_cache, v_cache, metadata, self.scale)  # [T, H*D]
         return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
+                 ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
         size = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size],
                                                  config.mlp_bias, tp, dtype)
         self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I_local] each
-        return self.down_proj(F.silu(gate) * up)
+        # [T, 2 I_local] -> [T, I_local] -> [T, hidden]
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Takes and returns ``(hidden, residual)``: the residual sum a layer leaves is completed by
+    the next norm (the next layer's, or the model's last), which adds and normalises in one op."""
+
     def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
-                 attention: AttentionBackend) -> None:
+                 attention: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
         eps, device = config.rms_norm_eps, tp.device
+        self.ops = ops
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.self_attn = LlamaAttention(config, tp, dtype, attention)
+        self.self_attn = LlamaAttention(config, tp, dtype, attention, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.mlp = LlamaMLP(config, tp, dtype)
+        self.mlp = LlamaMLP(config, tp, dtype, ops)
 
-    def forward(self, hidden: torch.Tensor, metadata: StepMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                rope: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), metadata, k_cache, v_cache,
-                                         rope)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                metadata: StepMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                rope: Tuple[torch.Tensor, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``hidden`` ``[T, hidden]``: the last layer's output (the embeddings for the first, whose
+        ``residual`` is None); the layer's input is ``hidden + residual``."""
+        norm = self.input_layernorm
+        x, residual = self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden = self.self_attn(x, metadata, k_cache, v_cache, rope)
+        norm = self.post_attention_layernorm
+        x, residual = self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
-                 max_positions: int, attention: AttentionBackend) -> None:
+                 max_positions: int, attention: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, tp.device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp, dtype, attention)
+            LlamaDecoderLayer(config, tp, dtype, attention, ops)
             for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, tp.device)
 
@@ -129,13 +127,17 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype,
-                 max_positions: int, attention: Optional[AttentionBackend] = None) -> None:
-        """``attention``: the backend every layer attends with (default: the torch one)."""
+                 max_positions: int, attention: Optional[AttentionBackend] = None,
+                 fused_kernels: Optional[bool] = None) -> None:
+        """``attention``: the backend every layer attends with (default: the torch one);
+        ``fused_kernels``: the layers' elementwise ops as Triton kernels (True) or PyTorch
+        expressions (False); None: Triton on CUDA (`workers.models.layer_ops.layer_ops`)."""
         super().__init__()
         self.config = config
         self.tp = tp  # its collectives' timer times them inside captured graphs too
         self.attention = attention or TorchAttentionBackend()
-        self.model = LlamaModel(config, tp, dtype, max_positions, self.attention)
+        self.ops = layer_ops(tp.device, fused_kernels)
+        self.model = LlamaModel(config, tp, dtype, max_positions, self.attention, self.ops)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
@@ -145,9 +147,12 @@ class LlamaForCausalLM(nn.Module):
         """``metadata[i]`` holds layer i's indices: layers differ by their sliding window."""
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
         rope = self.model.rotary.tables(metadata[0].positions)  # every layer's positions
+        residual = None
         for index, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, metadata[index], *kv_cache.layer(index), rope)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, metadata[index], *kv_cache.layer(index),
+                                     rope)
+        norm = self.model.norm
+        return self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """``[N, vocab]`` logits on rank 0, None on the other ranks."""
