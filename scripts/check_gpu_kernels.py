@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Compile tpserve's GPU kernels for NVIDIA GPUs on a machine without one: every launch of the
-Triton attention kernels a step makes, for real model shapes and dtypes, through Triton's own CUDA
+Triton attention kernels a step makes and of the decoder layer's fused kernels (residual add +
+RMSNorm, SiLU-and-multiply, RoPE with the K/V cache write), for real model shapes and dtypes, through Triton's own CUDA
 compiler and the ``ptxas`` it ships, as the first step on a GPU would compile them; and the CUDA C
 kernels CuPy compiles at run time (the KV tiers' device checksum), through NVRTC
 (``scripts/nvrtc_check.py``).
@@ -46,6 +47,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.driver import DriverBase  # noqa: E402
 
 from kv.attention import triton_paged as triton_attention  # noqa: E402
+from kv.attention.triton_rope_write import rope_write_kv_launch  # noqa: E402
+from workers.models.triton_layer_kernels import (  # noqa: E402
+    add_rms_norm_launch, silu_and_mul_launch)
 from scripts.nvrtc_check import (  # noqa: E402
     CUDA_KERNELS, Nvrtc, compile_cuda_kernel, find_nvrtc, kernel_problems, ptxas_figures)
 from kv.attention.metadata import SeqSlice  # noqa: E402
@@ -60,23 +64,25 @@ _USAGE: Dict[str, Dict[str, int]] = {}  # kernel hash -> ptxas figures, in this 
 
 @dataclass(frozen=True)
 class Shape:
-    """The attention of one model at TP 1 (query heads, KV heads, head dim, sliding window)."""
+    """One model at TP 1: its attention (query heads, KV heads, head dim, sliding window) and its
+    MLP's intermediate size."""
 
     name: str
     heads: int
     kv_heads: int
     head_dim: int
     window: Optional[int] = None
+    intermediate: int = 8192
 
 
 SHAPES = (
-    Shape("SmolLM2-135M", 9, 3, 64),  # GQA 3: a group padded to 4 rows
-    Shape("Llama-2-7B", 32, 32, 128),  # MHA: one query row per decode tile
-    Shape("Llama-3.2-1B", 32, 8, 64),
-    Shape("Llama-3.1-8B", 32, 8, 128),
-    Shape("Qwen2.5-7B", 28, 4, 128),  # GQA 7
-    Shape("Mistral-7B-v0.1", 32, 8, 128, window=4096),
-    Shape("MQA, 16 heads", 16, 1, 128),  # one KV head: the whole group in one tile
+    Shape("SmolLM2-135M", 9, 3, 64, intermediate=1536),  # GQA 3: a group padded to 4 rows
+    Shape("Llama-2-7B", 32, 32, 128, intermediate=11008),  # MHA: one query row per decode tile
+    Shape("Llama-3.2-1B", 32, 8, 64, intermediate=8192),
+    Shape("Llama-3.1-8B", 32, 8, 128, intermediate=14336),
+    Shape("Qwen2.5-7B", 28, 4, 128, intermediate=18944),  # GQA 7
+    Shape("Mistral-7B-v0.1", 32, 8, 128, window=4096, intermediate=14336),
+    Shape("MQA, 16 heads", 16, 1, 128, intermediate=8192),  # one KV head: the whole group
 )
 QUICK_SHAPES = ("SmolLM2-135M", "Mistral-7B-v0.1")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -149,6 +155,25 @@ def step_launches(shape: Shape, dtype: torch.dtype,
     return launches
 
 
+def layer_launches(shape: Shape, dtype: torch.dtype,
+                   num_tokens: int = 64) -> List[triton_attention.KernelLaunch]:
+    """The fused decoder-layer kernels of a step of ``num_tokens`` for ``shape``: the norm with a
+    residual and without (the first layer's), SiLU-and-multiply, RoPE with the cache write."""
+    hidden = shape.heads * shape.head_dim
+    x = torch.empty(num_tokens, hidden, dtype=dtype)
+    weight = torch.empty(hidden, dtype=dtype)
+    qkv = torch.empty(num_tokens, (shape.heads + 2 * shape.kv_heads) * shape.head_dim,
+                      dtype=dtype)
+    cache = torch.empty(4 * num_tokens, shape.kv_heads, shape.head_dim, dtype=dtype)
+    tables = (torch.empty(num_tokens, 1, shape.head_dim, dtype=dtype),) * 2
+    slots = torch.empty(num_tokens, dtype=torch.long)
+    return [add_rms_norm_launch(x, x, weight, 1e-5, x, x),
+            add_rms_norm_launch(x, None, weight, 1e-5, x, None),
+            silu_and_mul_launch(torch.empty(num_tokens, 2 * shape.intermediate, dtype=dtype),
+                                torch.empty(num_tokens, shape.intermediate, dtype=dtype)),
+            rope_write_kv_launch(qkv, tables, cache, cache, slots, shape.heads, shape.kv_heads)]
+
+
 def compile_launch(launch: triton_attention.KernelLaunch, arch: int) -> Dict:
     """Compile one launch for ``arch``; its figures and what is wrong with it (``problems``).
     Triton runs ``ptxas -v`` itself and prints its log (``dump_ptxas_log``), read here: the
@@ -182,6 +207,22 @@ def with_block_m(launch: triton_attention.KernelLaunch,
     return launch._replace(constexprs={**launch.constexprs, "BLOCK_M": block_m})
 
 
+def shape_launches(shape: Shape, dtype: torch.dtype):
+    """``(step name, launch)`` of every step in ``STEPS`` and of the decoder layer's kernels."""
+    launches = [(step, launch) for step, seqs in STEPS.items()
+                for launch in step_launches(shape, dtype, seqs)]
+    return launches + [("layer", launch) for launch in layer_launches(shape, dtype)]
+
+
+def compile_or_report(launch: triton_attention.KernelLaunch, arch: int) -> Dict:
+    """`compile_launch`'s row, or the compile error as its problem (the finding to report)."""
+    try:
+        return compile_launch(launch, arch)
+    except Exception as e:  # noqa: BLE001 - a compile error is the finding: report it
+        return {"kernel": launch.kernel.fn.__name__,
+                "problems": [f"{type(e).__name__}: {e}"[:2000]]}
+
+
 def run(arches: Sequence[int], shapes: Sequence[Shape], dtypes: Sequence[str],
         prefill_block_m: Optional[int] = None) -> Dict:
     rows, failures = [], 0
@@ -190,18 +231,12 @@ def run(arches: Sequence[int], shapes: Sequence[Shape], dtypes: Sequence[str],
         triton.runtime.driver.set_active(CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
         for shape in shapes:
             for dtype in dtypes:
-                for step, seqs in STEPS.items():
-                    for launch in step_launches(shape, DTYPES[dtype], seqs):
-                        launch = with_block_m(launch, prefill_block_m)
-                        row = {"arch": arch, "shape": shape.name, "dtype": dtype, "step": step}
-                        try:
-                            row.update(compile_launch(launch, arch))
-                        except Exception as e:  # a compile error is the finding: report it
-                            row.update(kernel=launch.kernel.fn.__name__,
-                                       problems=[f"{type(e).__name__}: {e}"[:2000]])
-                        failures += bool(row["problems"])
-                        rows.append(row)
-                        print_row(row)
+                for step, launch in shape_launches(shape, DTYPES[dtype]):
+                    row = {"arch": arch, "shape": shape.name, "dtype": dtype, "step": step}
+                    row.update(compile_or_report(with_block_m(launch, prefill_block_m), arch))
+                    failures += bool(row["problems"])
+                    rows.append(row)
+                    print_row(row)
     nvrtc_path = find_nvrtc()
     nvrtc = Nvrtc(nvrtc_path) if nvrtc_path else None
     if nvrtc is None:

@@ -26,6 +26,10 @@ Sections, each in its own module and each reporting its own failure without stop
    attention, max abs error; "not available" while that module does not exist.
 6. tier_copies (``gpu_check_tiers``): ``check_cuda_tiers.check_copies`` (pinned spill/restore
    GB/s vs a plain ``copy_``, corruption caught) and the checksum's GB/s.
+7. fused_kernels (``scripts/gpu/fused_kernels.py``): the decoder layer's Triton kernels (add +
+   RMSNorm, SiLU-mul, RoPE with the K/V write) vs the PyTorch expressions, max abs error in fp32
+   and bf16; kernels per decoder layer in a decode step, fused and not (CUDA profiler, eager
+   and in a CUDA graph), against the target of 12.
 
 Checkpoints are built on the spot (``gpu_check_models``). Prints a section per check and, last,
 one JSON object (``--json-out`` also writes it to a file). A skipped section is listed as such.
@@ -62,6 +66,8 @@ SECTIONS = (
      "Triton paged attention vs the PyTorch reference"),
     ("tier_copies", "scripts.gpu.tiers", "check_tier_copies",
      "pinned spill/restore GB/s vs plain copy_, checksums"),
+    ("fused_kernels", "scripts.gpu.fused_kernels", "check_fused_kernels",
+     "fused layer kernels vs the PyTorch expressions; kernels per decode layer"),
 )
 SECTION_NAMES = tuple(s[0] for s in SECTIONS)
 

@@ -39,7 +39,8 @@ aten = torch.ops.aten
 ALLOCATIONS = {aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided,
                aten.new_empty_strided}
 # Views the schema does not mark as such (they return a tensor sharing storage, no data moved).
-METADATA_ONLY = {aten.detach, aten.lift_fresh, aten._reshape_alias, aten.alias}
+METADATA_ONLY = {aten.detach, aten.lift_fresh, aten._reshape_alias, aten.alias,
+                 aten._unsafe_view}
 
 
 def launches_kernel(func) -> bool:

@@ -1,4 +1,4 @@
-"""scripts/check_gpu_kernels.py: the Triton attention kernels compile for a GPU (sm_90) on this
+"""scripts/check_gpu_kernels.py: the Triton attention and fused decoder-layer kernels compile for a GPU (sm_90) on this
 CPU machine, through Triton's CUDA compiler and ptxas, without spilling registers, and so does
 the CuPy checksum kernel's CUDA C through NVRTC; the check fails when a tile size makes a kernel
 spill, and on CUDA C that does not compile."""
@@ -24,14 +24,15 @@ def test_every_launch_of_two_model_shapes_compiles_for_sm90_without_spills():
     proc, result = run_check("--quick")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert result["ok"] and result["num_failed"] == 0 and result["failures"] == []
-    # 2 shapes x 2 dtypes x (decode: 1 kernel, split decode: 2, prefill: 1, short prefill: 1),
-    # and the checksum kernel (NVRTC is a dev dependency)
-    assert result["num_compiled"] == 21 and result["arches"] == [90]
+    # 2 shapes x 2 dtypes x (decode: 1 kernel, split decode: 2, prefill: 1, short prefill: 1,
+    # the layer's fused kernels: 4), and the checksum kernel (NVRTC is a dev dependency)
+    assert result["num_compiled"] == 37 and result["arches"] == [90]
     assert result["nvrtc"] and result["num_cuda_c_compiled"] == 1
     assert result["spill_bytes"] == 0
     assert 0 < result["max_registers"] <= 255
     assert 0 < result["max_shared_bytes"] <= 232448
     for kernel in ("_decode_split_kernel", "_decode_combine_kernel", "_prefill_kernel",
+                   "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_write_kv_kernel",
                    "tpserve_kv_mix64"):
         assert kernel in proc.stdout
 

@@ -16,7 +16,7 @@ import torch
 from bench_scripts import load_script, run_script
 
 SECTIONS = {"greedy_parity", "sampling", "triton_attention", "tier_copies", "throughput",
-            "memory_sizing"}
+            "memory_sizing", "fused_kernels"}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,10 @@ def test_cpu_quick_run_passes_every_check_it_runs(tmp_path):
         assert throughput[key] > 0
     assert report["sections"]["tier_copies"]["figures"]["checksum_gbps"] > 0
     assert report["sections"]["memory_sizing"]["checks"] == {"refused on CPU by name": True}
+    fused = report["sections"]["fused_kernels"]
+    assert fused["status"] == "passed" and len(fused["checks"]) == 7, fused
+    assert fused["figures"]["kernels_per_layer_dispatched_float32"] <= 12 < \
+        fused["figures"]["kernels_per_layer_dispatched_unfused_float32"]
     print(f"gpu_check --device cpu --quick: {elapsed:.0f} s")
 
 
