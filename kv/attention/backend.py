@@ -2,7 +2,8 @@
 
 A backend builds the per-step metadata its kernels need (once per distinct sliding window, shared
 by the layers with that window) and, per layer, writes the step's new K/V into the paged cache and
-attends the step's queries over it:
+attends the step's queries over it (``forward``), or attends alone once the model wrote them
+itself, fused with its RoPE (``attend``):
 
 - ``torch``: plain PyTorch (``kv/attention/torch_paged.py``): gathers K/V into padded dense tensors. The
   reference, and the default on CPU.

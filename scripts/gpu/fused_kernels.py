@@ -9,13 +9,13 @@ decode tokens, in fp32 and bf16; the K/V cache rows written count with the keys.
 Kernel count: one decoder layer's decode forward (`scripts.gpu.kernel_count.decode_layer_step`,
 its attention sized as a CUDA graph sizes it), fused and unfused. On a GPU, the kernels the CUDA
 profiler records for one run (memsets and copies included: they are launches too), and the
-same for a replay of the layer captured in a CUDA graph; on CPU (``--quick``), the dispatched
+same for a replay of the layer captured in a CUDA graph (a figure only); on CPU (``--quick``), the dispatched
 kernels counted under Triton's interpreter (`count_kernels`). The target: at most 12 fused.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict
 
 import torch
 
@@ -122,6 +122,8 @@ def check_fused_kernels(ctx: CheckContext, report: Report) -> None:
         for how, count in fused.items():
             report.figure(f"kernels_per_layer_{how}_{key}", count)
             report.figure(f"kernels_per_layer_{how}_unfused_{key}", unfused[how])
-        worst: Optional[int] = max(fused.values())
-        report.check(f"kernels per decode layer {key}", worst <= MAX_KERNELS_PER_LAYER,
+        # the eager count is checked; the graph's is a figure (what a profiler shows of a
+        # replay depends on its CUPTI's support for graph nodes)
+        counted = fused["profiled" if ctx.is_cuda else "dispatched"]
+        report.check(f"kernels per decode layer {key}", 0 < counted <= MAX_KERNELS_PER_LAYER,
                      f"{fused} fused, {unfused} unfused (target <= {MAX_KERNELS_PER_LAYER})")
