@@ -132,7 +132,10 @@ def test_bad_layouts_are_refused_by_name():
 
 
 def test_the_choice_is_made_by_device_and_can_be_forced():
-    assert isinstance(layer_ops(CPU), TorchLayerOps) and layer_ops(CPU).name == "torch"
-    assert layer_ops(CPU, fused=True).name == "triton"
-    assert layer_ops(torch.device("cuda"), fused=False).name == "torch"
-    assert layer_ops(torch.device("cuda")).name == "triton"  # triton imports here
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    assert isinstance(layer_ops(CPU, bf16), TorchLayerOps) and layer_ops(CPU, bf16).name == "torch"
+    assert layer_ops(CPU, torch.float32, fused=True).name == "triton"
+    assert layer_ops(cuda, bf16, fused=False).name == "torch"
+    assert layer_ops(cuda, bf16).name == "triton"  # triton imports here
+    assert layer_ops(cuda, torch.float16).name == "triton"
+    assert layer_ops(cuda, torch.float32).name == "torch"  # exact parity with transformers

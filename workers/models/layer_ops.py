@@ -102,18 +102,21 @@ class TritonLayerOps(TorchLayerOps):
 LayerOps = TorchLayerOps  # the interface: TritonLayerOps overrides each method
 
 
-def fused_kernels_default(device: torch.device) -> bool:
-    """The one place the choice is made: the Triton kernels on CUDA (when ``triton`` imports),
-    the PyTorch expressions elsewhere."""
-    if device.type != "cuda":
+def fused_kernels_default(device: torch.device, dtype: torch.dtype) -> bool:
+    """The one place the choice is made: the Triton kernels on CUDA in 16-bit dtypes (when
+    ``triton`` imports); the PyTorch expressions elsewhere. fp32 keeps the expressions on every
+    device: its greedy ids must equal ``transformers``' token for token, and the fused norm sums
+    its squares in another order."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return False
     return importlib.util.find_spec("triton") is not None
 
 
-def layer_ops(device: torch.device, fused: Optional[bool] = None) -> TorchLayerOps:
+def layer_ops(device: torch.device, dtype: torch.dtype,
+              fused: Optional[bool] = None) -> TorchLayerOps:
     """The ops a model on ``device`` runs: ``fused`` True or False forces the choice (the tests
     run the Triton kernels on CPU under Triton's interpreter), None takes
     `fused_kernels_default`."""
     if fused is None:
-        fused = fused_kernels_default(device)
+        fused = fused_kernels_default(device, dtype)
     return TritonLayerOps() if fused else TorchLayerOps()

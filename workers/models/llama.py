@@ -131,12 +131,13 @@ class LlamaForCausalLM(nn.Module):
                  fused_kernels: Optional[bool] = None) -> None:
         """``attention``: the backend every layer attends with (default: the torch one);
         ``fused_kernels``: the layers' elementwise ops as Triton kernels (True) or PyTorch
-        expressions (False); None: Triton on CUDA (`workers.models.layer_ops.layer_ops`)."""
+        expressions (False); None: Triton on CUDA in 16-bit dtypes
+        (`workers.models.layer_ops.fused_kernels_default`)."""
         super().__init__()
         self.config = config
         self.tp = tp  # its collectives' timer times them inside captured graphs too
         self.attention = attention or TorchAttentionBackend()
-        self.ops = layer_ops(tp.device, fused_kernels)
+        self.ops = layer_ops(tp.device, dtype, fused_kernels)
         self.model = LlamaModel(config, tp, dtype, max_positions, self.attention, self.ops)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
         if config.tie_word_embeddings:
