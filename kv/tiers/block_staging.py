@@ -29,7 +29,7 @@ import torch
 
 from kv.host_staging import tensor_on
 from kv.integrity.checksum import pool_rows
-from kv.kv_cache import KVCache
+from kv.kv_cache import KVCache, KVCacheSpec
 from kv.tiers.host_buffer import HostBuffer
 
 DEFAULT_STAGING_BYTES = 32 << 20
@@ -85,6 +85,13 @@ def slot_runs(slots: Sequence[int], can_join: bool) -> List[SlotRun]:
     return runs
 
 
+def staging_capacity(spec: KVCacheSpec, staging_bytes: int = DEFAULT_STAGING_BYTES) -> int:
+    """Blocks a staging buffer of at most ``staging_bytes`` holds: at least one, at most the
+    pool's. Its device memory is this times ``spec.bytes_per_block`` (what a pool sizing that
+    reserves for the tiers' staging would count)."""
+    return max(1, min(spec.num_blocks, staging_bytes // spec.bytes_per_block))
+
+
 class BlockStaging:
     """A persistent staging buffer of ``capacity`` blocks on the pool's device and the batched
     copies through it (module docstring). Block ids and slots are checked before anything is
@@ -94,7 +101,7 @@ class BlockStaging:
                  staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         spec = kv_cache.spec
         self.block_nbytes = spec.bytes_per_block
-        self.capacity = max(1, min(spec.num_blocks, staging_bytes // self.block_nbytes))
+        self.capacity = staging_capacity(spec, staging_bytes)
         self._host = host
         self._num_blocks = spec.num_blocks
         self._device = kv_cache.data.device
