@@ -76,12 +76,11 @@ def slot_runs(slots: Sequence[int], can_join: bool) -> List[SlotRun]:
     """Runs of ``slots`` (the host slots of staging rows 0, 1, ...) that one copy can move:
     consecutive rows holding consecutive slots when ``can_join``, else one row each."""
     runs: List[SlotRun] = []
-    for row, slot in enumerate(slots):
-        last = runs[-1] if runs else None
-        if can_join and last is not None and slot == last.slot + last.length:
-            runs[-1] = SlotRun(last.start, last.slot, last.length + 1)
-        else:
-            runs.append(SlotRun(row, slot, 1))
+    start = 0
+    for row in range(1, len(slots) + 1):
+        if row == len(slots) or not can_join or slots[row] != slots[row - 1] + 1:
+            runs.append(SlotRun(start, slots[start], row - start))
+            start = row
     return runs
 
 
