@@ -9,11 +9,13 @@ Here a batch of blocks costs, per chunk of at most ``capacity`` blocks::
     restore: copy_         host slots -> staging rows       (one per run of consecutive slots)
              index_copy_   staging rows -> pool blocks      (one kernel)
 
-plus one small host-to-device copy of the chunk's block ids. The staging buffer is laid out as
-the host slots are (block after block, each ``[2L, row]`` contiguous), so a run of consecutive
-host slots is one copy when a block fills its slot exactly (``block_nbytes`` a multiple of
-4096, true of every real model's blocks); otherwise every block is its own copy. Each chunk is
-sorted by host slot, which makes the runs as long as the slots allow. Everything is queued on
+plus one small host-to-device copy of the chunk's block ids. (On CUDA PyTorch splits the
+scatter into one launch per 2**31 elements of the pool it spans: several for pools over 16 GiB.)
+The staging buffer is laid out as the host slots are (block after block, each ``[2L, row]``
+contiguous), so a run of consecutive host slots is one copy when a block fills its slot exactly
+(``block_nbytes`` a multiple of 4096: block_size 16 with head_dim 64 or more in 16 bits, for
+one); otherwise every block is its own copy. Each chunk is sorted by host slot, which makes the
+runs as long as the slots allow. Everything is queued on
 the caller's current stream, ``non_blocking``; the caller synchronizes before reading results.
 
 The same code runs on CPU tensors (synchronously), which is how it is tested. Pure planning
