@@ -15,8 +15,8 @@ The staging buffer is laid out as the host slots are (block after block, each ``
 contiguous), so a run of consecutive host slots is one copy when a block fills its slot exactly
 (``block_nbytes`` a multiple of 4096: block_size 16 with head_dim 64 or more in 16 bits, for
 one); otherwise every block is its own copy. Each chunk is sorted by host slot, which makes the
-runs as long as the slots allow. Everything is queued on
-the caller's current stream, ``non_blocking``; the caller synchronizes before reading results.
+runs as long as the slots allow. Everything is queued on the caller's current stream,
+``non_blocking``; the caller synchronizes before reading results.
 
 The same code runs on CPU tensors (synchronously), which is how it is tested. Pure planning
 (``plan_chunks``, ``slot_runs``) is separate from the effects (``BlockStaging``).
