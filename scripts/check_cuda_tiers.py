@@ -9,7 +9,10 @@
    stream are ordered by events, not by luck).
 3. A flipped byte in a host slot fails the restore's checksum; with host hashing the block is left
    alone, with device hashing (CuPy) the bad bytes land in the fresh block, which is not used.
-4. Tier copy bandwidth vs a plain ``copy_`` between the same pinned host memory and the device.
+4. Tier copy bandwidth vs a plain ``copy_`` between the same pinned host memory and the device,
+   through the staging buffer (``kv/tiers/block_staging.py``; on CPU too, so the smoke run takes
+   the CUDA path's code): a batch of consecutive slots costs one gather or scatter kernel and one
+   copy per chunk of the staging buffer's blocks.
 5. The engine with host and disk tiers on a tiny random Llama equals ``transformers`` greedy.
 
 Prints one line per check and, last, one JSON object; exits 1 if a check failed.
@@ -38,21 +41,27 @@ def check_copies(device: torch.device, num_blocks: int, repeats: int = 3) -> dic
     """The tier copy path on ``num_blocks`` blocks: a first round checked for correctness (the
     bytes come back; it also warms the copy stream, the pinned buffer and the checksum up), then
     ``repeats`` timed round trips (best of each direction, checked again), a flipped host byte,
-    and a plain ``copy_`` of the same bytes each way (best of ``repeats``) as the baseline."""
+    and a plain ``copy_`` of the same bytes each way (best of ``repeats``) as the baseline.
+    Copies go through the staging buffer; the kernels and copies of the first round's spill and
+    restore are counted."""
     spec = KVCacheSpec(30, 2 * num_blocks, 16, 3, 64, torch.float32)
     kv = KVCache(spec, device)
     kv.data.normal_()
     host = HostBuffer(num_blocks, spec.bytes_per_block, pin=device.type == "cuda")
     # A stuck copy fails in a minute, well inside a lent machine's time, not in ten.
-    transfer = TransferEngine(kv, host, wait_timeout_s=60.0)
+    transfer = TransferEngine(kv, host, wait_timeout_s=60.0, staged=True)
+    staging = transfer.staging
     bs = spec.block_size
     low, high = slice(0, num_blocks * bs), slice(num_blocks * bs, 2 * num_blocks * bs)
     originals = kv.data[:, :, low].cpu().clone()
     try:
+        counted = _counts(staging)
         spill = _spill(transfer, range(num_blocks))
+        spill_counts, counted = _counts(staging, counted), _counts(staging)
         kv.data[:, :, low].zero_()  # compute reusing the blocks at once
         transfer.submit([Restore(b, num_blocks + b, tag=b) for b in range(num_blocks)])
         restore = transfer.agree(None, wait=True)
+        restore_counts = _counts(staging, counted)
         restore_equal = (all(s == OpStatus.OK for s in restore.statuses)
                          and torch.equal(kv.data[:, :, high].cpu(), originals))
         spill_s, restore_s, timed_equal = _timed_round_trips(transfer, kv, num_blocks, repeats,
@@ -61,9 +70,9 @@ def check_copies(device: torch.device, num_blocks: int, repeats: int = 3) -> dic
         host.slot(0)[123] ^= 0xFF
         transfer.submit([Restore(0, 0, tag=0)])
         corrupt = transfer.agree(None, wait=True)
-        # Block 0 is left alone only where the host checks before copying (CUDA without CuPy);
-        # CPU pools and device hashing copy first, and the failed block is not attended to.
-        checks_first = kv.data.is_cuda and transfer.checksum.device is None
+        # Block 0 is left alone where the host checks before copying (staged, without CuPy);
+        # device hashing copies first, and the failed block is not attended to.
+        checks_first = transfer.checksum.device is None
         corruption_caught = (corrupt.statuses == (OpStatus.CHECKSUM,)
                              and (not checks_first or not kv.data[:, :, :bs].any().item()))
         plain_d2h_s, plain_h2d_s = (_plain_copy_s(host, kv, num_blocks, to_host, repeats)
@@ -73,6 +82,7 @@ def check_copies(device: torch.device, num_blocks: int, repeats: int = 3) -> dic
         pinned = host.is_pinned
         host.close()
     nbytes = num_blocks * spec.bytes_per_block
+    num_chunks = -(-num_blocks // staging.capacity)  # 4 KiB-multiple blocks: a run per chunk
     return {
         "pinned": pinned, "checksum": transfer.checksum.name,
         "checksum_on_device": transfer.checksum.device is not None,
@@ -82,7 +92,16 @@ def check_copies(device: torch.device, num_blocks: int, repeats: int = 3) -> dic
         "d2h_gbps": nbytes / spill_s / 1e9, "h2d_gbps": nbytes / restore_s / 1e9,
         "plain_d2h_gbps": nbytes / plain_d2h_s / 1e9,
         "plain_copy_gbps": nbytes / plain_h2d_s / 1e9,  # host to device, as restores go
+        "staging_blocks": staging.capacity, "staging_mib": staging.nbytes / (1 << 20),
+        "spill_kernels": spill_counts[0], "spill_copies": spill_counts[1],
+        "restore_kernels": restore_counts[0], "restore_copies": restore_counts[1],
+        "batched": spill_counts == restore_counts == (num_chunks, num_chunks),
     }
+
+
+def _counts(staging, since: Tuple[int, int] = (0, 0)) -> Tuple[int, int]:
+    """Gather/scatter kernels and host copies the staging buffer queued, minus ``since``."""
+    return staging.num_kernels - since[0], staging.num_copies - since[1]
 
 
 def _spill(transfer: TransferEngine, blocks: Iterable[int]):
@@ -176,13 +195,17 @@ def main(argv=None) -> int:
     result = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
               **check_copies(torch.device(args.device), args.blocks),
               **check_engine(args.device)}
-    checks = ["spill_ok", "restore_equal", "corruption_caught", "engine_equal"]
+    checks = ["spill_ok", "restore_equal", "corruption_caught", "batched", "engine_equal"]
     if args.device == "cuda":
         checks.insert(0, "pinned")
     for name in checks:
         print(f"{name}: {'ok' if result[name] else 'FAILED'}")
     print(f"checksum: {result['checksum']} "
           f"({'on the device' if result['checksum_on_device'] else 'on the host'})")
+    print(f"staging {result['staging_blocks']} blocks ({result['staging_mib']:.1f} MiB); a batch "
+          f"of {args.blocks}: spill {result['spill_kernels']} kernels + "
+          f"{result['spill_copies']} copies, restore {result['restore_copies']} copies + "
+          f"{result['restore_kernels']} kernels")
     print(f"tier d2h {result['d2h_gbps']:.2f} GB/s, h2d {result['h2d_gbps']:.2f} GB/s; "
           f"plain copy_ d2h {result['plain_d2h_gbps']:.2f} GB/s, h2d "
           f"{result['plain_copy_gbps']:.2f} GB/s")

@@ -102,6 +102,8 @@ class TransferEngine:
     Neither the host buffer nor the disk store is owned: the caller closes them after ``close``.
     ``checksum``: the block checksum strategy (default: chosen for the pool's device, see
     ``kv.integrity.block_checksum``); its name is part of the disk index's identity.
+    ``staged``: copy through a device staging buffer (``kv.tiers.block_staging``; default on
+    CUDA, and on CPU for tests).
     Every wait raises ``TransferError`` once the worker has failed, or when what it waits for is
     not done within ``wait_timeout_s`` (generous: a stuck device, not a slow one).
     """
@@ -109,7 +111,8 @@ class TransferEngine:
     def __init__(self, kv_cache: KVCache, host: HostBuffer,
                  disk: Optional[Union[DiskStore, StripedDiskStore]] = None,
                  index_path: Optional[Path] = None, identity: str = "",
-                 wait_timeout_s: float = 600.0, checksum: Optional[BlockChecksum] = None) -> None:
+                 wait_timeout_s: float = 600.0, checksum: Optional[BlockChecksum] = None,
+                 staged: Optional[bool] = None) -> None:
         if host.block_nbytes != kv_cache.spec.bytes_per_block:
             raise ValueError(f"host slots hold {host.block_nbytes} bytes, expected the KV "
                              f"cache's {kv_cache.spec.bytes_per_block} bytes per block")
@@ -123,8 +126,9 @@ class TransferEngine:
         # Default priority: a low-priority copy stream starved by compute can deadlock a step
         # that waits for its restores.
         self._copy_stream = torch.cuda.Stream(kv_cache.data.device) if self._is_cuda else None
-        self._copier = BlockCopier(kv_cache, host, _copy_threads(), checksum)
+        self._copier = BlockCopier(kv_cache, host, _copy_threads(), checksum, staged)
         self.checksum = self._copier.checksum
+        self.staging = self._copier.staging  # None: copied by numpy on the copier's threads
         # Owned by the worker thread once it starts (the disk side shares the host table).
         self._host_entries: Dict[int, SlotEntry] = {}
         self._disk = None if disk is None else DiskTransfer(

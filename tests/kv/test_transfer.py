@@ -43,18 +43,20 @@ def block(kv: KVCache, index: int) -> torch.Tensor:
     return kv.data[:, :, index * bs:(index + 1) * bs]  # [L, 2, bs, H, D]
 
 
-@pytest.fixture(params=["xxh3", "mix64-device"])
+@pytest.fixture(params=["xxh3", "mix64-device", "xxh3-staged", "mix64-staged"])
 def tiers(tmp_path, request):
-    """(kv, host, disk, make_engine); engines and stores are closed after the test."""
+    """(kv, host, disk, make_engine); engines and stores are closed after the test. "-staged":
+    copies through the staging buffer, as on CUDA (without CuPy: xxh3; with it: mix64)."""
     kv = random_cache()
     host = HostBuffer(8, SPEC.bytes_per_block, pin=False)
     disk = DiskStore(tmp_path / "slots.bin", 16, host.slot_bytes)
     engines = []
 
     def make_engine(identity: str = "model-a/rank0", checksum=request.param) -> TransferEngine:
-        strategy = None if checksum == "xxh3" else mix64_strategy(ReferenceBlockHasher(kv))
+        strategy = None if checksum.startswith("xxh3") else mix64_strategy(
+            ReferenceBlockHasher(kv))
         engines.append(TransferEngine(kv, host, disk, tmp_path / "index.json", identity,
-                                      checksum=strategy))
+                                      checksum=strategy, staged=checksum.endswith("-staged")))
         assert engines[-1].checksum.name == checksum.split("-")[0]
         return engines[-1]
 
