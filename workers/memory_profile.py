@@ -12,7 +12,8 @@ long prefill plus a decoding row for each other sequence up to ``max_num_seqs``,
 sampled, through the real model into a KV cache just big enough for it. Its peak is read from
 PyTorch's allocator; the sampler, which runs on rank 0 after the step, is reserved for from the
 logits' size (probabilities, a sorted copy and its indices per sampled row). CUDA graphs are
-captured later, in the memory the utilization leaves free.
+captured later, and the KV tiers' copy staging buffer (`kv.tiers.block_staging`, at most
+``DEFAULT_STAGING_BYTES``) is allocated later, both in the memory the utilization leaves free.
 """
 
 from __future__ import annotations
