@@ -173,6 +173,11 @@ def test_the_limits_are_a_400_naming_the_field():
     err = refused(structured_outputs={"json": '{"not":' * 5000 + "{}" + "}" * 5000})
     assert err.param == "structured_outputs.json" and "nests 5001" in err.message
 
+    body = b'{"model": "m", "prompt": "hi", "guided_json": ' + b"[" * 10**5 + b"]" * 10**5 + b"}"
+    with pytest.raises(ProtocolError, match="nests too deep") as info:  # not RecursionError
+        parse_request(body, CompletionRequest)
+    assert info.value.status == 400
+
 
 # ----- the syntax check on the prompt pool -----
 
