@@ -220,3 +220,47 @@ def test_a_check_past_the_bound_is_a_400_saying_so(tiny_llama):
     with pytest.raises(ProtocolError, match="checking the output constraint took longer") as info:
         asyncio.run(pool.check_constraint(body.constraint))
     assert info.value.param == "guided_json"
+
+
+# ----- the gRPC API's structured_output -----
+
+def test_grpc_structured_output_fields_keep_their_numbers():
+    from cluster.proto.tpserve.v1 import tpserve_pb2 as pb
+
+    for request in (pb.CompletionRequest, pb.ChatRequest):
+        assert request.DESCRIPTOR.fields_by_name["structured_output"].number == 30
+    assert {f.name: f.number for f in pb.StructuredOutput.DESCRIPTOR.fields} == {
+        "json_schema": 1, "json_object": 2, "regex": 3, "choice": 4, "grammar": 5,
+        "structural_tag": 6, "disable_any_whitespace": 7}
+
+
+def test_grpc_structured_output_is_the_same_constraint():
+    from cluster.api.grpc_protocol import chat_request, completion_request
+    from cluster.proto.tpserve.v1 import tpserve_pb2 as pb
+
+    def grpc_chat(**fields):
+        return chat_request(pb.ChatRequest(model="m", messages=[pb.ChatMessage(
+            role="user", content="hi")], structured_output=pb.StructuredOutput(**fields)))
+
+    def grpc_completion(**fields):
+        return completion_request(pb.CompletionRequest(
+            model="m", prompt="hi", structured_output=pb.StructuredOutput(**fields)))
+
+    for build in (grpc_chat, grpc_completion):
+        body = build(json_schema=COMPACT, disable_any_whitespace=True)
+        assert body.constraint.param == "structured_output.json_schema"
+        assert body.sampling(8).structured == StructuredOutput(
+            GrammarKind.JSON_SCHEMA, COMPACT, any_whitespace=False)
+        assert build(choice=pb.Choices(choices=["a", "b"])).sampling(8).structured == \
+            StructuredOutput(GrammarKind.CHOICE, choices=("a", "b"))
+        assert build(regex="a+").constraint.output == StructuredOutput(GrammarKind.REGEX, "a+")
+        assert build(json_object=True).constraint.output.kind == GrammarKind.JSON_OBJECT
+        assert build(json_object=False).constraint is None
+    assert completion_request(pb.CompletionRequest(model="m", prompt="hi")).constraint is None
+    for fields, param in [({}, "structured_output"),
+                          ({"choice": pb.Choices()}, "structured_output.choice"),
+                          ({"json_schema": "[1]"}, "structured_output.json_schema"),
+                          ({"grammar": ""}, "structured_output.grammar")]:
+        with pytest.raises(ProtocolError) as info:
+            grpc_chat(**fields)
+        assert info.value.param == param and info.value.message.startswith(param), fields
