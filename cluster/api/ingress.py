@@ -3,7 +3,8 @@
 Each request is authorized, parsed, tokenized (the checkpoint's tokenizer and chat template, on
 a thread pool with a time bound: ``cluster.api.prompt_pool``, which also checks an output
 constraint's schema, regex or grammar) and checked against the context length here, so bad
-input gets a 4xx before anything is routed and the router knows the request's token count. It then goes to a TP group through the group deployment's handle,
+input gets a 4xx before anything is routed and the router knows the request's token count.
+It then goes to a TP group through the group deployment's handle,
 ``generate(request, num_tokens=T, block_hashes=H)``
 (``cluster.api.group_calls``; a batch of prompts as one request each), whose chunks
 (``cluster.contract``: ``GroupRequest`` in, ``GroupChunk``s out) are turned into one OpenAI
