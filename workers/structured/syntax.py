@@ -16,7 +16,7 @@ from typing import Any
 from workers.structured.spec import GrammarKind, StructuredOutput
 
 # xgrammar's C++ errors start "[HH:MM:SS] /path/file.cc:LINE: ": not the client's business.
-_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ", re.MULTILINE)
 
 
 def load() -> Any:
@@ -43,5 +43,5 @@ def check_syntax(structured: StructuredOutput) -> None:
     try:
         builders[structured.kind](structured.spec)
     except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors are RuntimeErrors
-        message = _CPP_PREFIX.sub("", str(exc).strip())
-        raise ValueError(f"invalid {structured.kind.value}: {message}") from None
+        message = re.sub(r"\s+", " ", _CPP_PREFIX.sub("", str(exc))).strip()
+        raise ValueError(f"invalid {structured.kind.value}: {message[:500]}") from None
