@@ -10,8 +10,10 @@
 - vLLM's ``structured_outputs``: one of ``json``, ``regex``, ``choice``, ``grammar`` (EBNF,
   root rule ``root``), ``json_object``, ``structural_tag``; options ``disable_any_whitespace``
   (JSON without free whitespace), ``disable_fallback`` (there is no fallback: xgrammar is the
-  only backend); ``disable_additional_properties`` true and ``whitespace_pattern`` are refused
-  by name. The options also apply to a constraint sent in another field.
+  only backend), ``disable_additional_properties`` (what happens anyway: the engine compiles
+  schemas in xgrammar's strict mode, where an object without ``additionalProperties`` takes no
+  other properties); ``whitespace_pattern`` is refused by name. The options also apply to a
+  constraint sent in another field.
 - vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``;
   ``guided_decoding_backend`` "xgrammar" or "auto"; ``guided_whitespace_pattern`` refused.
 
@@ -156,9 +158,6 @@ def _structured_outputs(fields: Dict[str, Any]) -> Tuple[Optional[Tuple[str, Any
     if fields.get("whitespace_pattern") is not None:
         raise _bad("structured_outputs.whitespace_pattern", "not supported by this server "
                    "(use disable_any_whitespace); leave it unset")
-    if fields.get("disable_additional_properties"):
-        raise _bad("structured_outputs.disable_additional_properties", "not supported by "
-                   "this server; set additionalProperties: false in the schema instead")
     json_object = fields.get("json_object")
     if json_object not in (None, True, False):
         raise _bad("structured_outputs.json_object", f"expected true or false, got "
