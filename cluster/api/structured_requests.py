@@ -25,6 +25,7 @@ the schema, regex or grammar compiles is checked later, off the event loop
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -195,9 +196,8 @@ def requested_constraint(body: "StructuredFields") -> Optional[Constraint]:
         raise _bad(second, f"{first} and {second} both constrain the output; send one")
     if not found:
         return None
-    chosen = found[0]
-    return Constraint(chosen.param, StructuredOutput(
-        chosen.output.kind, chosen.output.spec, chosen.output.choices, any_whitespace))
+    return dataclasses.replace(found[0], output=dataclasses.replace(
+        found[0].output, any_whitespace=any_whitespace))
 
 
 class StructuredFields(BaseModel):
