@@ -6,7 +6,8 @@ whichever protocol carried it; the rest of the path (tokenizing, the token budge
 is the ingress's, shared by both. Proto3 cannot tell an unset ``max_tokens`` from 0: 0 means
 unset (the HTTP API's default). ``float`` fields are single precision on the wire: they are read
 back as the shortest decimal that a float32 holds (0.8, not 0.800000011920929), so sampling sees
-the value the client wrote.
+the value the client wrote. ``structured_output`` is read as the HTTP API's constraint
+(`cluster.api.structured_requests`), its errors naming the proto's field.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import numpy as np
 
 from cluster.api.protocol import ProtocolError, validate_request
 from cluster.api.openai_requests import ChatCompletionRequest, CompletionRequest
+from cluster.api.structured_requests import Constraint, constraint
 from cluster.proto.tpserve.v1 import tpserve_pb2 as pb
+from workers.structured.spec import GrammarKind
 
 SERVICE_NAME = "tpserve.v1.TPServe"
 SERVICER_FUNCTION = "cluster.proto.tpserve.v1.tpserve_pb2_grpc.add_TPServeServicer_to_server"
@@ -74,14 +77,36 @@ def completion_request(request: pb.CompletionRequest) -> CompletionRequest:
     raw["prompt"] = list(request.prompt_token_ids) or request.prompt
     if request.HasField("add_special_tokens"):
         raw["add_special_tokens"] = request.add_special_tokens
-    return validate_request(raw, CompletionRequest)
+    body = validate_request(raw, CompletionRequest)
+    body.constrain(structured_constraint(request))
+    return body
 
 
 def chat_request(request: pb.ChatRequest) -> ChatCompletionRequest:
     """The HTTP API's chat request for a proto one; ``ProtocolError`` (400) if bad."""
     raw = _sampling_fields(request)
     raw["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
-    return validate_request(raw, ChatCompletionRequest)
+    body = validate_request(raw, ChatCompletionRequest)
+    body.constrain(structured_constraint(request))
+    return body
+
+
+def structured_constraint(request: Any) -> Optional[Constraint]:
+    """The request's ``structured_output`` (None when unset, or ``json_object`` false); a 400
+    naming the field when it is malformed."""
+    if not request.HasField("structured_output"):
+        return None
+    message = request.structured_output
+    kind = message.WhichOneof("kind")  # each field is named after its GrammarKind
+    if kind is None:
+        names = [f.name for f in message.DESCRIPTOR.oneofs_by_name["kind"].fields]
+        raise ProtocolError(f"structured_output: set one of {', '.join(names)}",
+                            param="structured_output")
+    if kind == "json_object" and not message.json_object:
+        return None
+    value = list(message.choice.choices) if kind == "choice" else getattr(message, kind)
+    return constraint(f"structured_output.{kind}", GrammarKind(kind), value,
+                      any_whitespace=not message.disable_any_whitespace)
 
 
 def status_code(error: ProtocolError) -> grpc.StatusCode:

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP ingress: a FastAPI app served by a Ray Serve deployment.
 
 Each request is authorized, parsed, tokenized (the checkpoint's tokenizer and chat template, on
-a thread pool with a time bound: ``cluster.api.prompt_pool``) and checked against the context
-length here, so bad input gets a 4xx before anything is routed and the router knows the
-request's token count. It then goes to a TP group through the group deployment's handle,
+a thread pool with a time bound: ``cluster.api.prompt_pool``, which also checks an output
+constraint's schema, regex or grammar) and checked against the context length here, so bad
+input gets a 4xx before anything is routed and the router knows the request's token count.
+It then goes to a TP group through the group deployment's handle,
 ``generate(request, num_tokens=T, block_hashes=H)``
 (``cluster.api.group_calls``; a batch of prompts as one request each), whose chunks
 (``cluster.contract``: ``GroupRequest`` in, ``GroupChunk``s out) are turned into one OpenAI
@@ -247,6 +248,7 @@ class OpenAIIngress:
                              timeout_s: float, release: Callable[[], None]) -> RequestRun:
         """Tokenize and check a completion request, and send it to a TP group; ``release``
         (the admission slot's) is called when the run ends."""
+        await self._prompt_pool.check_constraint(body.constraint)
         prompt_ids = await self._prompt_pool.prompt_ids(body.prompts, body.add_special_tokens)
         max_tokens = [resolve_max_tokens(body.max_tokens, len(ids), self.max_model_len,
                                          default=DEFAULT_COMPLETION_MAX_TOKENS)
@@ -260,6 +262,7 @@ class OpenAIIngress:
     async def chat_run(self, body: ChatCompletionRequest, timer: RequestTimer, *,
                        timeout_s: float, release: Callable[[], None]) -> RequestRun:
         """Apply the chat template, check the request, and send it to a TP group."""
+        await self._prompt_pool.check_constraint(body.constraint)
         prompt_ids = await self._prompt_pool.chat_prompt_ids(body)
         max_tokens = resolve_max_tokens(body.requested_max_tokens, len(prompt_ids),
                                         self.max_model_len, param=body.max_tokens_param,

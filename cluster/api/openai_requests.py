@@ -1,14 +1,15 @@
 """OpenAI's (and vLLM's) request bodies for ``/v1/completions`` and ``/v1/chat/completions``.
 
 Every field a client sends is either honoured or refused by name. Fields that OpenAI or vLLM
-define and tpserve does not implement (tools, guided decoding, beam search, ...) are accepted
+define and tpserve does not implement (tools, beam search, ...) are accepted
 only at their default values; any other value is a 400 naming the field. Fields nobody defines
 are ignored and listed by ``ignored_fields()`` so the ingress can log them, as vLLM does.
 Extensions beyond OpenAI's fields, as vLLM names them: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``stream_options.continuous_usage_stats``, ``add_special_tokens``,
 and for chat ``chat_template``, ``chat_template_kwargs``, ``add_generation_prompt``,
-``continue_final_message``.
+``continue_final_message``. The fields that constrain the output (``response_format``,
+``structured_outputs``, ``guided_*``): `cluster.api.structured_requests`.
 """
 
 from __future__ import annotations
@@ -18,14 +19,12 @@ from typing import Any, ClassVar, Dict, List, Literal, Optional, Tuple, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.api.protocol import ProtocolError
+from cluster.api.structured_requests import StructuredFields
 from workers.sampling_params import SamplingParams
 
 # Defined by OpenAI or vLLM, not implemented here: the values that mean "not asked for".
 _REFUSED_COMMON: Dict[str, Tuple[Any, ...]] = {
     "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "guided_decoding_backend": (None,),
-    "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
     "logits_processors": (None,), "prompt_logprobs": (None,), "bad_words": (None, []),
     "allowed_token_ids": (None,), "truncate_prompt_tokens": (None,),
     "return_tokens_as_token_ids": (None, False), "skip_special_tokens": (None, True),
@@ -82,8 +81,8 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = Field(False, description="Usage in every chunk (vLLM).")
 
 
-class _SamplingFields(BaseModel):
-    """What completions and chat share."""
+class _SamplingFields(StructuredFields):
+    """What completions and chat share (the output's constraint: `StructuredFields`)."""
 
     model_config = ConfigDict(extra="allow")
     _refused: ClassVar[Dict[str, Tuple[Any, ...]]] = _REFUSED_COMMON
@@ -111,7 +110,6 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, description="Penalty per occurrence so far.")
     repetition_penalty: float = Field(1.0, description="transformers' repetition penalty.")
     logit_bias: Optional[Dict[str, float]] = Field(None, description="Token id -> added logit.")
-    response_format: Optional[Dict[str, Any]] = Field(None, description="Only type 'text'.")
     add_special_tokens: Optional[bool] = Field(None, description="Add BOS etc. when tokenizing.")
 
     @model_validator(mode="before")
@@ -146,14 +144,6 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"keys must be token ids (non-negative integers), got {bad[:5]}")
         return bias
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, fmt: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-        if fmt and fmt.get("type", "text") != "text":
-            raise ValueError(f"only response_format type 'text' is supported (structured "
-                             f"output is not), got {fmt}")
-        return fmt
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -184,6 +174,7 @@ class _SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             logprobs=self.requested_logprobs(),
+            structured=self.constraint.output if self.constraint else None,
         )
 
 

@@ -10,7 +10,9 @@ request with a 400 naming the bound. A job inside one long C call (the tokenizer
 that call returns; the body size limit bounds those.
 
 A chat template sent in a request is checked (``check_chat_templates``: trusted or refused,
-size) before any of it runs.
+size) before any of it runs. A request's output constraint is checked the same way
+(``check_constraint``: its xgrammar grammar built, bounded in time), xgrammar imported on the
+pool the first time (outside the bound: the import takes seconds once).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any, Callable, List, Optional, Sequence, TypeVar
 from cluster.api.prompts import PromptCodec
 from cluster.api.protocol import ProtocolError
 from cluster.api.request_limits import IngressLimits, check_chat_templates
+from cluster.api.structured_requests import Constraint
+from workers.structured import syntax
 
 T = TypeVar("T")
 
@@ -109,7 +113,20 @@ class PromptPool:
         return await self.run(lambda: [self.codec.detokenize(ids) for ids in token_ids],
                               "prompt")
 
-    async def run(self, work: Callable[[], T], param: str) -> T:
+    async def check_constraint(self, constraint: Optional[Constraint]) -> None:
+        """A 400 naming the constraint's field if its schema, regex or grammar is malformed
+        (`workers.structured.syntax.check_syntax`) or takes past the bound to check."""
+        if constraint is None:
+            return
+        await asyncio.wrap_future(self._pool.submit(syntax.load))
+        try:
+            await self.run(lambda: syntax.check_syntax(constraint.output), constraint.param,
+                           "checking the output constraint")
+        except ValueError as exc:
+            raise ProtocolError(f"{constraint.param}: {exc}", param=constraint.param) from None
+
+    async def run(self, work: Callable[[], T], param: str,
+                  what: str = "rendering and tokenizing the prompt") -> T:
         """``work()`` on a pool thread; a 400 naming ``param`` and the bound if it runs past
         it. (Not 408 or 504, which OpenAI's clients retry: the same input takes as long.)"""
         timeout_s = self._limits.prompt_timeout_s
@@ -117,6 +134,6 @@ class PromptPool:
         try:
             return await asyncio.wrap_future(self._pool.submit(job.run))
         except _Overdue:
-            raise ProtocolError(f"{param}: rendering and tokenizing the prompt took longer than "
-                                f"this server's bound of {timeout_s:g} s and was stopped",
+            raise ProtocolError(f"{param}: {what} took longer than this server's bound of "
+                                f"{timeout_s:g} s and was stopped",
                                 param=param, code="prompt_timeout") from None

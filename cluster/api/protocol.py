@@ -70,6 +70,9 @@ def parse_request(body: bytes, model: Type[R]) -> R:
         raw = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"request body is not valid JSON: {exc}", code="invalid_json")
+    except RecursionError:
+        raise ProtocolError("request body nests too deep for this server's JSON parser",
+                            code="invalid_json") from None
     if not isinstance(raw, dict):
         raise ProtocolError(f"request body must be a JSON object, got {type(raw).__name__}")
     return validate_request(raw, model)

@@ -134,8 +134,9 @@ def test_the_group_gets_the_token_count_and_block_hashes(client, group):
     (dict(n=100), "n must be an integer in [1, 64]"),
     (dict(max_tokens=4, extra_body={"min_tokens": 5}), "min_tokens must be"),
     (dict(logit_bias={"100000": 1}), "logit_bias token ids must be in [0, 509)"),
-    (dict(extra_body={"response_format": {"type": "json_object"}}), "response_format"),
-    (dict(extra_body={"guided_json": {}}), "guided_json is not supported"),
+    (dict(extra_body={"response_format": {"type": "xml"}}), "response_format.type: expected"),
+    (dict(extra_body={"guided_json": {"$ref": "#/$defs/Missing"}}),
+     "guided_json: invalid json_schema"),  # built by xgrammar on the ingress's prompt pool
     (dict(prompt=""), "prompt is empty"),
     (dict(prompt=[1, 100_000]), "prompt token ids must be in [0, 509)"),
     (dict(echo=True, logprobs=1), "echo with logprobs is not supported"),

@@ -162,7 +162,7 @@ def test_chat_messages():
     assert refused(chat, messages=[]).param == "messages"
     assert refused(chat, messages=[{"role": "robot", "content": "x"}]).param == "messages.0.role"
     assert "tools is not supported" in refused(chat, tools=[{"type": "function"}]).message
-    assert refused(chat, response_format={"type": "json_object"}).param == "response_format"
+    assert refused(chat, response_format={"type": "xml"}).param == "response_format.type"
 
 
 # ----- the token budget -----
@@ -279,10 +279,8 @@ def test_sse_framing_and_models():
 # ----- every parameter honoured or refused by name (issue 14, defect 1) -----
 
 @pytest.mark.parametrize("build,fields,param", [
-    (completion, {"guided_json": {"type": "object"}}, "guided_json"),
-    (completion, {"guided_regex": "a+"}, "guided_regex"),
-    (completion, {"guided_choice": ["a", "b"]}, "guided_choice"),
-    (completion, {"response_format": {"type": "json_object"}}, "response_format"),
+    (completion, {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    (completion, {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     (completion, {"use_beam_search": True}, "use_beam_search"),
     (completion, {"prompt_logprobs": 1}, "prompt_logprobs"),
     (completion, {"suffix": "x"}, "suffix"),
@@ -291,7 +289,8 @@ def test_sse_framing_and_models():
     (chat, {"functions": [{"name": "f"}]}, "functions"),
     (chat, {"function_call": "auto"}, "function_call"),
     (chat, {"tools": [{"type": "function"}]}, "tools"),
-    (chat, {"structured_outputs": {"json": {}}}, "structured_outputs"),
+    (chat, {"structured_outputs": {"whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern"),
     (chat, {"skip_special_tokens": False}, "skip_special_tokens"),
     (chat, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},

@@ -212,3 +212,93 @@ def test_grpc_on_the_whole_app_equals_transformers_and_http(client, grpc_port, e
             max_tokens=4, temperature=0), metadata=auth, timeout=120))
         assert "".join(c.text for c in chunks) == chat.choices[0].message.content
         assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+# ----- structured outputs (issue 40): the OpenAI SDK's parse, vLLM's fields, gRPC -----
+
+def _answer_model():
+    from enum import Enum
+    from typing import Literal
+
+    from pydantic import BaseModel, conint, constr
+
+    class Mood(str, Enum):
+        happy = "happy"
+        sad = "sad"
+
+    class Answer(BaseModel):  # bounded: a random model completes it in a few dozen tokens
+        mood: Mood
+        sure: bool
+        score: conint(ge=0, le=9)
+        word: constr(max_length=4)
+        kind: Literal["a", "b"]
+
+    return Answer
+
+
+def test_chat_completions_parse_returns_the_pydantic_object(client):
+    import re
+
+    import jsonschema
+
+    answer = _answer_model()
+    out = client.chat.completions.parse(
+        model="tiny", messages=[{"role": "user", "content": "how are you?"}],
+        response_format=answer, max_tokens=120, temperature=0.0,
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "stop", message.content
+    assert isinstance(message.parsed, answer), message.content
+    jsonschema.validate(json.loads(message.content), answer.model_json_schema())
+    # disable_any_whitespace: outside strings, only the canonical ", " and ": " separators
+    names = iter(range(100))
+    skeleton = re.sub(r'"(?:[^"\\]|\\.)*"', lambda _: f'"{next(names)}"', message.content)
+    assert skeleton == json.dumps(json.loads(skeleton)), message.content
+
+
+def test_regex_and_choice_outputs_match(client):
+    import re
+
+    regex = r"[a-c]{3}-\d{2}"
+    out = client.completions.create(model="tiny", prompt="code:", max_tokens=20,
+                                    temperature=0.0, extra_body={"guided_regex": regex})
+    assert re.fullmatch(regex, out.choices[0].text), out.choices[0].text
+    choices = ["red", "green", "blue"]
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a colour?"}], max_tokens=20,
+        temperature=1.0, seed=3, n=2, extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.message.content in choices for c in chat.choices), chat.choices
+
+
+def test_a_schema_that_cannot_compile_is_a_400_naming_the_field(client):
+    bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "[a-"}}}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=8, response_format=bad)
+    assert info.value.body["param"] == "response_format.json_schema.schema"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="x", max_tokens=8, extra_body={
+            "guided_json": {"$ref": "#/$defs/Missing"}})
+    assert info.value.body["param"] == "guided_json" and "$defs" in info.value.message
+
+
+def test_grpc_structured_output(grpc_port):
+    grpc = pytest.importorskip("grpc")
+    from cluster.proto.tpserve.v1 import tpserve_pb2 as pb
+    from cluster.proto.tpserve.v1 import tpserve_pb2_grpc as pb_grpc
+
+    auth = (("authorization", f"Bearer {API_KEY}"),)
+    choices = pb.StructuredOutput(choice=pb.Choices(choices=["yes", "no"]))
+    bad = pb.StructuredOutput(regex="(ab")
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = pb_grpc.TPServeStub(channel)
+        out = stub.Chat(pb.ChatRequest(model="tiny", messages=[pb.ChatMessage(
+            role="user", content="ok?")], max_tokens=8, structured_output=choices),
+            metadata=auth, timeout=120)
+        assert out.text in ("yes", "no") and out.finish_reason == "stop", out
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Complete(pb.CompletionRequest(model="tiny", prompt="x", max_tokens=4,
+                                               structured_output=bad), metadata=auth, timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("structured_output.regex: invalid regex")

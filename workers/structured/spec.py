@@ -10,13 +10,30 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Tuple
 
 # A spec this long (schema, regex, grammar or structural tag, in characters) is refused: its
 # compilation time and memory grow with it.
 MAX_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 256
+# How deep the objects and arrays of a JSON spec (schema, structural tag) may nest: 128 is 64
+# schema levels (an object and its ``properties`` each), past any real schema. xgrammar's time
+# grows with the cube of the depth (tens of milliseconds at 128, minutes at 1000), and Python's
+# JSON parser recurses.
+MAX_JSON_DEPTH = 128
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NESTING = {"{": 1, "[": 1, "}": -1, "]": -1}
+
+
+def json_depth(text: str) -> int:
+    """How deep the objects and arrays of the JSON ``text`` nest (0 for a scalar), counted
+    without parsing it."""
+    brackets = _JSON_STRING.sub("", text)
+    return max(accumulate(_NESTING.get(c, 0) for c in brackets), default=0)
 
 
 class GrammarKind(str, enum.Enum):
@@ -69,6 +86,10 @@ class StructuredOutput:
             raise ValueError(f"choices of at most {MAX_SPEC_CHARS} characters in all")
 
     def _check_json_object(self) -> None:
+        depth = json_depth(self.spec)
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"the {self.kind.value} nests {depth} objects and arrays deep; at "
+                             f"most {MAX_JSON_DEPTH} are accepted")
         try:
             value = json.loads(self.spec)
         except json.JSONDecodeError as exc:
