@@ -133,7 +133,7 @@ class CallStream:
         args_end = self._args.feed(text[self._args_start + self._args.length:])
         sent_to = len(text) if args_end is None else self._args_start + args_end
         if sent_to > self._args_sent:
-            out.calls.append(ToolCallDelta(self.num_calls - 1, text[self._args_sent:sent_to]))
+            out.add_call(ToolCallDelta(self.num_calls - 1, text[self._args_sent:sent_to]))
             self._args_sent = sent_to
         if self._obj.is_broken or self._args.is_broken:
             self._break(out)
@@ -195,7 +195,7 @@ class CallStream:
         self._held_ws = ""
         self._obj, self._args = JsonSpan(), JsonSpan()
         self._name, self._args_start, self._args_sent = name, args_start, args_start
-        out.calls.append(ToolCallDelta(self.num_calls, "", new_call_id(), name))
+        out.add_call(ToolCallDelta(self.num_calls, "", new_call_id(), name))
         self.num_calls += 1
 
     def _is_valid_call(self, obj_text: str) -> bool:

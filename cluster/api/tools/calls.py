@@ -58,9 +58,20 @@ class ParsedDelta:
     def __bool__(self) -> bool:
         return bool(self.content or self.calls)
 
+    def add_call(self, delta: ToolCallDelta) -> None:
+        """``delta``, merged into the last part when it continues the same call (one part per
+        call and piece)."""
+        last = self.calls[-1] if self.calls else None
+        if last is not None and last.index == delta.index and delta.name is None:
+            self.calls[-1] = ToolCallDelta(last.index, last.arguments + delta.arguments,
+                                           last.id, last.name)
+        else:
+            self.calls.append(delta)
+
     def extend(self, other: "ParsedDelta") -> None:
         self.content += other.content
-        self.calls.extend(other.calls)
+        for delta in other.calls:
+            self.add_call(delta)
 
 
 @dataclass
