@@ -16,6 +16,8 @@ from pathlib import Path
 
 from tiny_models import build_checkpoint, set_generation_eos
 
+MAX_MODEL_LEN = 2048
+
 # Written for transformers' Jinja settings (trim_blocks, lstrip_blocks): every newline of the
 # output is in a string.
 LLAMA3_TEMPLATE = r"""{{- bos_token }}
@@ -97,8 +99,9 @@ def save_tool_tokenizer(model_dir: Path, family: str) -> None:
 
 
 def build_tool_checkpoint(out_dir: Path, family: str) -> Path:
-    """A tiny random ``family`` checkpoint (llama for llama3, qwen2) with its tool tokenizer."""
+    """A tiny random ``family`` checkpoint (llama for llama3, qwen2) with its tool tokenizer,
+    and room for a prompt with tools (a few hundred tokens of the tiny vocabulary)."""
     kind = {"llama3": "llama", "qwen2": "qwen2"}[family]
-    path = build_checkpoint(Path(out_dir), kind)
+    path = build_checkpoint(Path(out_dir), kind, max_position_embeddings=MAX_MODEL_LEN)
     save_tool_tokenizer(path, family)
     return path
