@@ -33,8 +33,10 @@ from cluster.api.grpc_protocol import (
     completion_request,
     completion_response,
     status_code,
+    tool_call_deltas,
     usage,
 )
+from cluster.api.tools.plan import finish_reason
 from cluster.api.request_run import RequestRun
 from cluster.api.metrics import RequestTimer
 from cluster.api.protocol import ProtocolError
@@ -79,6 +81,11 @@ async def _response(run: RequestRun) -> pb.CompletionResponse:
     finally:
         run.end("abort")  # a no-op once the run ended; else it frees the group and the slot
     choice = run.choices[0]
+    if choice.tools is not None:  # a chat with tools: its calls parsed out of the text
+        parsed = choice.tools.result()
+        return completion_response(run.fmt.request_id, parsed.content, choice.token_ids,
+                                   finish_reason(choice.finish_reason, bool(parsed.calls)),
+                                   run.num_prompt_tokens, run.num_output_tokens, parsed.calls)
     return completion_response(run.fmt.request_id, "".join(choice.texts), choice.token_ids,
                                choice.finish_reason, run.num_prompt_tokens,
                                run.num_output_tokens)
@@ -89,8 +96,16 @@ async def _chunks(run: RequestRun) -> AsyncIterator[pb.CompletionChunk]:
         async for chunk, choice in updates:
             message = pb.CompletionChunk(id=run.fmt.request_id, text=chunk.delta_text,
                                          token_ids=chunk.new_token_ids)
+            reason = choice.finish_reason
+            if choice.tools is not None:  # a chat with tools: content and parts of calls
+                parsed = choice.tools.stream_new()
+                if chunk.finished:
+                    parsed.extend(choice.tools.finish())
+                    reason = finish_reason(reason, choice.tools.num_streamed_calls > 0)
+                message.text = parsed.content
+                message.tool_calls.extend(tool_call_deltas(parsed.calls))
             if chunk.finished:
-                message.finish_reason = choice.finish_reason or ""
+                message.finish_reason = reason or ""
                 message.usage.CopyFrom(usage(run.num_prompt_tokens, run.num_output_tokens))
             yield message
 

@@ -18,6 +18,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from ray import cloudpickle, serve  # noqa: E402
 
 from cluster.api.api_key import ApiKey  # noqa: E402
+from cluster.api.grpc_service import grpc_options  # noqa: E402
 from cluster.api.ingress import build_ingress  # noqa: E402
 from cluster.contract import GroupRequest  # noqa: E402
 from cluster.groups.stream import stream_chunks  # noqa: E402
@@ -55,7 +56,12 @@ class OneEngineGroup:
 
 
 @pytest.fixture(scope="module")
-def client(tool_checkpoints):
+def grpc_port():
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def client(tool_checkpoints, grpc_port):
     model_dir = str(tool_checkpoints("qwen2"))
     module = sys.modules[__name__]
     cloudpickle.register_pickle_by_value(module)  # replicas cannot import this test module
@@ -63,7 +69,8 @@ def client(tool_checkpoints):
     ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1",
              include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port},
+                    grpc_options=grpc_options(grpc_port))
         app = build_ingress(OneEngineGroup.bind(model_dir), model_dir, MODEL, BLOCK_SIZE,
                             MAX_MODEL_LEN, ApiKey((API_KEY,)), max_migrations=0)
         serve.run(app, name=APP, route_prefix="/")
@@ -166,3 +173,37 @@ def test_an_unknown_named_tool_is_a_400(client):
             messages=QUESTION, tools=TOOLS,
             tool_choice={"type": "function", "function": {"name": "get_time"}}, **GREEDY)
     assert info.value.body["param"] == "tool_choice" and "get_time" in info.value.message
+
+
+def test_grpc_tool_calls_equal_the_http_apis(client, grpc_port):
+    grpc = pytest.importorskip("grpc")
+    from cluster.proto.tpserve.v1 import tpserve_pb2 as pb
+    from cluster.proto.tpserve.v1 import tpserve_pb2_grpc as pb_grpc
+
+    http = client.chat.completions.create(
+        messages=QUESTION, tools=TOOLS, tool_choice={"type": "function",
+                                                     "function": {"name": "get_weather"}},
+        **GREEDY).choices[0].message.tool_calls[0]
+    tools = [pb.Tool(name=t["function"]["name"], description=t["function"].get("description", ""),
+                     parameters_json=json.dumps(t["function"]["parameters"])) for t in TOOLS]
+    request = pb.ChatRequest(model=MODEL, messages=[pb.ChatMessage(**QUESTION[0])], tools=tools,
+                             tool_choice=pb.ToolChoice(function="get_weather"),
+                             max_tokens=GREEDY["max_tokens"], temperature=0)
+    auth = (("authorization", f"Bearer {API_KEY}"),)
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = pb_grpc.TPServeStub(channel)
+        whole = stub.Chat(request, metadata=auth, timeout=60)
+        chunks = list(stub.ChatStream(request, metadata=auth, timeout=60))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Chat(pb.ChatRequest(model=MODEL, messages=request.messages, tools=tools,
+                                     tool_choice=pb.ToolChoice(function="nope")),
+                      metadata=auth, timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tool_choice" in info.value.details()
+    [call] = whole.tool_calls
+    assert (call.name, call.arguments) == (http.function.name, http.function.arguments)
+    assert whole.finish_reason == "tool_calls" and whole.text == ""
+    parts = [d for c in chunks for d in c.tool_calls]
+    assert parts[0].name == "get_weather" and parts[0].id.startswith("call_")
+    assert "".join(d.arguments for d in parts) == http.function.arguments
+    assert chunks[-1].finish_reason == "tool_calls"
