@@ -36,7 +36,6 @@ from cluster.api.grpc_protocol import (
     tool_call_deltas,
     usage,
 )
-from cluster.api.tools.plan import finish_reason
 from cluster.api.request_run import RequestRun
 from cluster.api.metrics import RequestTimer
 from cluster.api.protocol import ProtocolError
@@ -82,9 +81,8 @@ async def _response(run: RequestRun) -> pb.CompletionResponse:
         run.end("abort")  # a no-op once the run ended; else it frees the group and the slot
     choice = run.choices[0]
     if choice.tools is not None:  # a chat with tools: its calls parsed out of the text
-        parsed = choice.tools.result()
-        return completion_response(run.fmt.request_id, parsed.content, choice.token_ids,
-                                   finish_reason(choice.finish_reason, bool(parsed.calls)),
+        parsed, reason = choice.tools.response(choice.finish_reason)
+        return completion_response(run.fmt.request_id, parsed.content, choice.token_ids, reason,
                                    run.num_prompt_tokens, run.num_output_tokens, parsed.calls)
     return completion_response(run.fmt.request_id, "".join(choice.texts), choice.token_ids,
                                choice.finish_reason, run.num_prompt_tokens,
@@ -98,10 +96,7 @@ async def _chunks(run: RequestRun) -> AsyncIterator[pb.CompletionChunk]:
                                          token_ids=chunk.new_token_ids)
             reason = choice.finish_reason
             if choice.tools is not None:  # a chat with tools: content and parts of calls
-                parsed = choice.tools.stream_new()
-                if chunk.finished:
-                    parsed.extend(choice.tools.finish())
-                    reason = finish_reason(reason, choice.tools.num_streamed_calls > 0)
+                parsed, reason = choice.tools.streamed(chunk.finished, reason)
                 message.text = parsed.content
                 message.tool_calls.extend(tool_call_deltas(parsed.calls))
             if chunk.finished:

@@ -24,7 +24,7 @@ from ray.serve.handle import DeploymentResponseGenerator
 
 from cluster.api.admission import DEFAULT_RETRY_AFTER_S, overloaded
 from cluster.api.metrics import RequestTimer
-from cluster.api.tools.plan import ChoiceTools, ToolPlan, finish_reason
+from cluster.api.tools.plan import ChoiceTools, ToolPlan
 from cluster.contract import GroupChunk
 from cluster.api.protocol import (
     SSE_DONE,
@@ -323,10 +323,8 @@ class RequestRun:
         if choice.tools is None:
             return ChoiceResult(self._echo(index) + "".join(choice.texts), choice.finish_reason,
                                 logprobs)
-        parsed = choice.tools.result()
-        return ChoiceResult(parsed.content, finish_reason(choice.finish_reason,
-                                                          bool(parsed.calls)),
-                            logprobs, parsed.calls)
+        parsed, reason = choice.tools.response(choice.finish_reason)
+        return ChoiceResult(parsed.content, reason, logprobs, parsed.calls)
 
     async def first_chunk(self) -> GroupChunk:
         """Waits for the first chunk, so an error before it still gets its HTTP status."""
@@ -382,11 +380,9 @@ class RequestRun:
     def _tool_events(self, chunk: GroupChunk, choice: _Choice,
                      new_logprobs: Optional[List[TokenLogprob]]) -> List[str]:
         """A chunk of a choice whose text is parsed: its content and its tool-call parts."""
-        tools, index = choice.tools, chunk.index
-        assert tools is not None
-        parsed = tools.stream_new()
-        if chunk.finished:
-            parsed.extend(tools.finish())
+        assert choice.tools is not None
+        index = chunk.index
+        parsed, reason = choice.tools.streamed(chunk.finished, choice.finish_reason)
         events = []
         if parsed.content or new_logprobs:
             events.append(sse_event(self.fmt.delta(parsed.content, new_logprobs, index,
@@ -395,7 +391,6 @@ class RequestRun:
             events.append(sse_event(self.fmt.tool_delta(  # type: ignore[attr-defined]
                 parsed.calls, index, self._usage_now())))
         if chunk.finished:
-            reason = finish_reason(choice.finish_reason, tools.num_streamed_calls > 0)
             events.append(sse_event(self.fmt.finish(reason, index, self._usage_now())))
         return events
 

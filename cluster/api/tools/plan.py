@@ -10,7 +10,7 @@ A choice that ends (``stop``) with tool calls finishes with ``tool_calls``, as O
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 from cluster.api.protocol import ProtocolError
 from cluster.api.tools.call_stream import CallStream, parse
@@ -52,22 +52,30 @@ class ChoiceTools:
             text = self.plan.format.opens[0] + text
         self.text += text
 
-    def stream_new(self) -> ParsedDelta:
+    def _stream_new(self) -> ParsedDelta:
         """What the text added since the last call adds to the stream of deltas."""
         parsed = self._stream.feed(self.text[self._num_streamed:])
         self._num_streamed = len(self.text)
         return parsed
 
-    def finish(self) -> ParsedDelta:
-        return self._stream.finish()
-
-    @property
-    def num_streamed_calls(self) -> int:
-        return self._stream.num_calls
+    def streamed(self, finished: bool, reason: Optional[str]
+                 ) -> Tuple[ParsedDelta, Optional[str]]:
+        """What a chunk adds to the stream (its end's deltas too when ``finished``), and the
+        finish reason to show."""
+        parsed = self._stream_new()
+        if finished:
+            parsed.extend(self._stream.finish())
+            reason = finish_reason(reason, self._stream.num_calls > 0)
+        return parsed, reason
 
     def result(self) -> ParsedOutput:
         """The whole choice parsed (the non-streamed response)."""
         return parse(self.plan.format, self.text)
+
+    def response(self, reason: Optional[str]) -> Tuple[ParsedOutput, Optional[str]]:
+        """The whole choice parsed, and the finish reason to show."""
+        parsed = self.result()
+        return parsed, finish_reason(reason, bool(parsed.calls))
 
 
 def finish_reason(reason: Optional[str], has_calls: bool) -> Optional[str]:
