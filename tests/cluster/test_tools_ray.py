@@ -105,9 +105,11 @@ def test_a_round_trip_not_streamed(client):
     [call] = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_")
     check_call(call.function.name, call.function.arguments)
-    final = client.chat.completions.create(
-        messages=answer_messages(call.id, call.function.name, call.function.arguments),
-        tools=TOOLS, tool_choice="none", **{**GREEDY, "max_tokens": 8})
+    # The SDK's message object goes back into the history as it is (docs/api.md's example).
+    history = QUESTION + [choice.message, {"role": "tool", "tool_call_id": call.id,
+                                           "content": '{"forecast": "sunny"}'}]
+    final = client.chat.completions.create(messages=history, tools=TOOLS, tool_choice="none",
+                                           **{**GREEDY, "max_tokens": 8})
     message = final.choices[0].message
     assert final.choices[0].finish_reason in ("stop", "length")
     assert isinstance(message.content, str) and not message.tool_calls
