@@ -9,12 +9,17 @@ import json
 import pytest
 
 from cluster.api.openai_requests import ChatCompletionRequest
+from cluster.app_config import ServeConfig
+from cluster.options import engine_config
 from cluster.api.prompts import PromptCodec
 from cluster.api.protocol import ChatFormat, ChoiceResult, ProtocolError, validate_request
 from cluster.api.tools.calls import ToolCall, ToolCallDelta
 from cluster.api.tools.definitions import MAX_TOOLS
 from cluster.api.tools.formats import HERMES, LLAMA3_JSON, server_format
 from cluster.api.tools.plan import finish_reason, plan_tools
+from cluster.serve_config import plan_from_cli, serve_config_from_args
+from scripts.config_doc import tpserve_parser
+from workers.config import EngineConfig
 from workers.structured.spec import MAX_SPEC_CHARS, GrammarKind
 
 WEATHER = {"type": "function", "function": {
@@ -152,3 +157,17 @@ def test_responses_show_tool_calls_as_openai_does():
     assert finish_reason("stop", True) == "tool_calls"
     assert finish_reason("length", True) == "length"
     assert finish_reason("stop", False) == "stop"
+
+
+def test_the_tool_call_parser_option(capsys):
+    parser = tpserve_parser()
+    args = parser.parse_args(["serve", "--tool-call-parser", "hermes"])
+    assert plan_from_cli(args, engine_config(args)).config.tool_call_parser == "hermes"
+    assert ServeConfig(EngineConfig()).tool_call_parser == "auto"
+    config = serve_config_from_args({"tool_call_parser": "mistral"}, {})
+    assert config.tool_call_parser == "mistral"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--tool-call-parser", "granite"])
+    assert "invalid choice: 'granite'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--tool-call-parser must be one of"):
+        ServeConfig(EngineConfig(), tool_call_parser="granite")

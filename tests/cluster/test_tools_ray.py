@@ -159,6 +159,17 @@ def test_streamed_and_not_streamed_calls_agree(client):
         (name, arguments) for _, name, arguments in calls.values()]
 
 
+def test_each_of_n_choices_has_its_own_calls(client):
+    response = client.chat.completions.create(
+        messages=QUESTION, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=2,
+        seed=7, **{**GREEDY, "temperature": 1.0})
+    assert [c.index for c in response.choices] == [0, 1]
+    for choice in response.choices:
+        [call] = choice.message.tool_calls
+        check_call(call.function.name, call.function.arguments)
+        assert choice.finish_reason == "tool_calls"
+
+
 def test_a_named_tool_choice_calls_that_function(client):
     for name in ("ping", "get_weather"):
         response = client.chat.completions.create(
