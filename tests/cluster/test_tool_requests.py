@@ -4,10 +4,12 @@ response shapes (message.tool_calls, delta.tool_calls, finish_reason)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from cluster.api.group_calls import with_tool_grammar
 from cluster.api.openai_requests import ChatCompletionRequest
 from cluster.app_config import ServeConfig
 from cluster.options import engine_config
@@ -20,7 +22,8 @@ from cluster.api.tools.plan import finish_reason, plan_tools
 from cluster.serve_config import plan_from_cli, serve_config_from_args
 from scripts.config_doc import tpserve_parser
 from workers.config import EngineConfig
-from workers.structured.spec import MAX_SPEC_CHARS, GrammarKind
+from workers.sampling_params import SamplingParams
+from workers.structured.spec import MAX_SPEC_CHARS, GrammarKind, StructuredOutput
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -124,6 +127,17 @@ def test_the_plan_of_each_tool_choice(tool_checkpoints):
     with pytest.raises(ProtocolError) as info:
         plan_tools(chat(tools=[WEATHER]), None, tokenizer)
     assert info.value.param == "tools" and "--tool-call-parser" in info.value.message
+
+
+def test_the_tool_grammar_goes_to_the_engine_and_excludes_another_constraint():
+    plan = plan_tools(chat(tools=[WEATHER], tool_choice="required"), HERMES, None)
+    sampling = SamplingParams(max_tokens=5)
+    assert with_tool_grammar(sampling, plan).structured == plan.structured
+    assert with_tool_grammar(sampling, None) is sampling
+    own = dataclasses.replace(sampling, structured=StructuredOutput(GrammarKind.JSON_OBJECT))
+    with pytest.raises(ProtocolError) as info:
+        with_tool_grammar(own, plan)
+    assert info.value.param == "tool_choice" and "structured output" in info.value.message
 
 
 def test_llama_python_tag_is_put_back_where_its_token_was(tool_checkpoints):
