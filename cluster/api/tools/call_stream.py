@@ -57,7 +57,6 @@ class CallStream:
         self._held_ws = ""  # trailing whitespace of the content, sent only if text follows
         self.num_calls = 0
         self.broken_at: Optional[int] = None  # the first malformed run's (or object's) start
-        self.is_finished = False
 
     def feed(self, text: str) -> ParsedDelta:
         """What ``text``, the next piece of the choice's text, adds."""
@@ -77,10 +76,10 @@ class CallStream:
         elif self._phase in (_OPEN, _OBJECT) and self._obj is None:
             self._content(out, self._text[self._undo_point():])
         elif self._phase == _OBJECT:  # cut off inside a call
-            self._break(out)
+            self._break()
         if not self.num_calls:
             out.content += self._held_ws
-        self._held_ws, self._pos, self.is_finished = "", len(self._text), True
+        self._held_ws, self._pos = "", len(self._text)
         return out
 
     # ----- phases: each returns True when it moved on, False when it needs more text
@@ -114,7 +113,7 @@ class CallStream:
             self._start_object(m.end() - 1)
             return True
         if m is None or final:
-            self._undo_run(out)
+            self._undo_run()
             return True
         return False
 
@@ -125,7 +124,7 @@ class CallStream:
                 return False
             name = _json_string(m.group(1)) if m is not None else None
             if name is None:
-                self._undo_run(out)
+                self._undo_run()
                 return True
             self._announce(out, name, m.end() - 1)
         text = self._text
@@ -136,12 +135,12 @@ class CallStream:
             out.add_call(ToolCallDelta(self.num_calls - 1, text[self._args_sent:sent_to]))
             self._args_sent = sent_to
         if self._obj.is_broken or self._args.is_broken:
-            self._break(out)
+            self._break()
             return True
         if self._obj.end is None:
             return False
         if not self._is_valid_call(text[self._obj_start:self._obj_start + self._obj.end]):
-            self._break(out)
+            self._break()
             return True
         self._pos, self._phase = self._obj_start + self._obj.end, _AFTER
         return True
@@ -210,14 +209,14 @@ class CallStream:
         """Where the text of an unannounced object starts being content again."""
         return self._run_start if self._sep_pos is None else self._sep_pos
 
-    def _undo_run(self, out: ParsedDelta) -> None:
+    def _undo_run(self) -> None:
         """The opening (or the separator) turned out not to start a call: it is content."""
         point = self._undo_point()
         self._rejected = self._rejected | {self._run_start if self._sep_pos is None
                                            else self._obj_start}
         self._pos, self._phase = point, _TEXT
 
-    def _break(self, out: ParsedDelta) -> None:
+    def _break(self) -> None:
         """An announced call is malformed: the rest of the text is content."""
         if self.broken_at is None:
             self.broken_at = self._run_start if self._sep_pos is None else self._obj_start
