@@ -211,4 +211,5 @@ def build_app(config: ServeConfig, cluster: Dict[str, float]):
                          max_model_len=served_context_length(engine, load_model_config(model_dir)),
                          api_key=api_key,
                          max_migrations=config.max_migrations,
-                         limits=limits, replicas=ingress_replicas(config))
+                         limits=limits, replicas=ingress_replicas(config),
+                         tool_call_parser=config.tool_call_parser)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
+from cluster.api.tools.formats import PARSER_CHOICES
 from workers.config import EngineConfig
 from workers.option_field import option
 
@@ -84,6 +85,12 @@ class ServeConfig:
         False, "accept chat templates sent in requests (chat_template, "
                "chat_template_kwargs.chat_template): Jinja the ingress runs, bounded in time and "
                "size; without it they get 400")
+    # The model's tool-call syntax, for requests with tools (cluster.api.tools.formats).
+    tool_call_parser: str = option(
+        "auto", "the model's tool-call format: llama3_json (Llama 3.x JSON), hermes (Hermes, "
+                "Qwen2.5, Qwen3 <tool_call>), mistral ([TOOL_CALLS]); auto (default): from the "
+                "chat template, and requests with tools get 400 when it shows none",
+        choices=PARSER_CHOICES)
 
     def __post_init__(self) -> None:
         check_limits(self)
@@ -95,6 +102,9 @@ class ServeConfig:
             raise ValueError(f"--placement must be auto, plan or serve, got {self.placement!r}")
         if self.placement_strategy is not None:
             check_placement_strategy(self.placement_strategy, self.placement)
+        if self.tool_call_parser not in PARSER_CHOICES:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSER_CHOICES)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
         if self.max_migrations < 0:

@@ -37,6 +37,22 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tool_checkpoints(tmp_path_factory):
+    """Tiny random checkpoints of the tool-calling families, each with its tokenizer and chat
+    template (tests/tool_models.py), built on first use: ``tool_checkpoints("qwen2")``."""
+    from tool_models import build_tool_checkpoint
+
+    built = {}
+
+    def get(family):
+        if family not in built:
+            built[family] = build_tool_checkpoint(tmp_path_factory.mktemp("tools") / family,
+                                                  family)
+        return built[family]
+    return get
+
+
+@pytest.fixture(scope="session")
 def default_model_cache(tmp_path_factory):
     """A cache root (``TPSERVE_CACHE``) holding the default model, converted from its GGUF once
     for the whole run (about half a minute): its conversion tests and its parity tests share it."""

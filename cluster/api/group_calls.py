@@ -27,6 +27,7 @@ from cluster.api.request_run import GroupStream, MergedStreams, MigrationPolicy,
 from cluster.api.protocol import CompletionFormat, ProtocolError
 from cluster.routing.output_length import OutputLengthEstimate, router_charge
 from cluster.api.request_limits import DeadlineStream
+from cluster.api.tools.plan import ToolPlan
 from cluster.contract import GroupRequest
 from kv.prefix_hash import extend_block_hashes
 from workers.request import RequestId
@@ -47,22 +48,25 @@ class GroupRequests:
 
     def start(self, fmt: CompletionFormat, body: Any, max_tokens: List[int],
               prompt_ids: List[List[int]], timer: RequestTimer, echo: Sequence[str] = (), *,
-              timeout_s: float, release: Callable[[], None]) -> RequestRun:
+              timeout_s: float, release: Callable[[], None],
+              tools: Optional[ToolPlan] = None) -> RequestRun:
         """Send each prompt to a TP group: one run of all their choices (prompt p's choice j
         is choice ``p * n + j``). ``release`` (the request's admission slot) is called when the
-        run ends; a batch takes its other slots here (429 when not free)."""
+        run ends; a batch takes its other slots here (429 when not free). ``tools``: a chat
+        request's tool calling (its grammar goes to the engine, its parsers into the run)."""
         release = self._batch_slots(len(prompt_ids), release)
         try:
             return self._start(fmt, body, max_tokens, prompt_ids, timer, echo, timeout_s,
-                               release)
+                               release, tools)
         except BaseException:
             release()
             raise
 
     def _start(self, fmt: CompletionFormat, body: Any, max_tokens: List[int],
                prompt_ids: List[List[int]], timer: RequestTimer, echo: Sequence[str],
-               timeout_s: float, release: Callable[[], None]) -> RequestRun:
-        samplings = [request_sampling(body, m) for m in max_tokens]
+               timeout_s: float, release: Callable[[], None],
+               tools: Optional[ToolPlan]) -> RequestRun:
+        samplings = [with_tool_grammar(request_sampling(body, m), tools) for m in max_tokens]
         self.prompts.check_token_ids(list(samplings[0].logit_bias), "logit_bias")
         n, batched = samplings[0].n, len(prompt_ids) > 1
         streams: List[GroupStream] = []
@@ -85,7 +89,7 @@ class GroupRequests:
                           sum(map(len, prompt_ids)), n * len(prompt_ids),
                           samplings[0].logprobs is not None, self.prompts.token_text, on_end,
                           echo=[text for text in echo for _ in range(n)],
-                          continuous_usage=body.continuous_usage)
+                          continuous_usage=body.continuous_usage, tools=tools)
 
     def _batch_slots(self, num_prompts: int, release: Callable[[], None]
                      ) -> Callable[[], None]:
@@ -137,6 +141,18 @@ def in_own_serve_request(call: Callable[[], Any]) -> Any:
         serve.context._set_request_context(_internal_request_id=uuid.uuid4().hex)
         return call()
     return contextvars.copy_context().run(run)
+
+
+def with_tool_grammar(sampling: SamplingParams, tools: Optional[ToolPlan]) -> SamplingParams:
+    """``sampling`` constrained by the tool plan's grammar, if it has one; a request cannot
+    have both that grammar and a structured output of its own (400)."""
+    if tools is None or tools.structured is None:
+        return sampling
+    if sampling.structured is not None:
+        raise ProtocolError("tool_choice: a required or named tool choice is enforced by a "
+                            "grammar, and the request asks for a structured output too; drop "
+                            "one of them", param="tool_choice")
+    return dataclasses.replace(sampling, structured=tools.structured)
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))

@@ -12,13 +12,15 @@ the value the client wrote. ``structured_output`` is read as the HTTP API's cons
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import json
+from typing import Any, Dict, List, Optional, Sequence
 
 import grpc
 import numpy as np
 
 from cluster.api.protocol import ProtocolError, validate_request
 from cluster.api.openai_requests import ChatCompletionRequest, CompletionRequest
+from cluster.api.tools.calls import ToolCall, ToolCallDelta
 from cluster.api.structured_requests import Constraint, constraint
 from cluster.proto.tpserve.v1 import tpserve_pb2 as pb
 from workers.structured.spec import GrammarKind
@@ -85,7 +87,8 @@ def completion_request(request: pb.CompletionRequest) -> CompletionRequest:
 def chat_request(request: pb.ChatRequest) -> ChatCompletionRequest:
     """The HTTP API's chat request for a proto one; ``ProtocolError`` (400) if bad."""
     raw = _sampling_fields(request)
-    raw["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+    raw["messages"] = [_chat_message(m) for m in request.messages]
+    raw.update(_tool_fields(request))
     body = validate_request(raw, ChatCompletionRequest)
     body.constrain(structured_constraint(request))
     return body
@@ -109,6 +112,58 @@ def structured_constraint(request: Any) -> Optional[Constraint]:
                       any_whitespace=not message.disable_any_whitespace)
 
 
+def _chat_message(message: pb.ChatMessage) -> Dict[str, Any]:
+    raw: Dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        raw["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.name, "arguments": c.arguments}} for c in message.tool_calls]
+    if message.tool_call_id:
+        raw["tool_call_id"] = message.tool_call_id
+    return raw
+
+
+def _tool_fields(request: pb.ChatRequest) -> Dict[str, Any]:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` as the HTTP API's JSON has them;
+    a tool's ``parameters_json`` that is not JSON is a 400 naming it."""
+    raw: Dict[str, Any] = {}
+    if request.tools:
+        raw["tools"] = [{"type": "function", "function": _function(i, t)}
+                        for i, t in enumerate(request.tools)]
+    which = request.tool_choice.WhichOneof("choice") if request.HasField("tool_choice") else None
+    if which == "mode":
+        raw["tool_choice"] = request.tool_choice.mode
+    elif which == "function":
+        raw["tool_choice"] = {"type": "function",
+                              "function": {"name": request.tool_choice.function}}
+    if request.HasField("parallel_tool_calls"):
+        raw["parallel_tool_calls"] = request.parallel_tool_calls
+    return raw
+
+
+def _function(index: int, tool: pb.Tool) -> Dict[str, Any]:
+    function: Dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    if tool.parameters_json:
+        try:
+            function["parameters"] = json.loads(tool.parameters_json)
+        except ValueError as exc:
+            param = f"tools[{index}].parameters_json"
+            raise ProtocolError(f"{param}: not JSON ({exc})", param=param) from None
+    if tool.HasField("strict"):
+        function["strict"] = tool.strict
+    return function
+
+
+def tool_calls(calls: Optional[Sequence[ToolCall]]) -> List[pb.ToolCall]:
+    return [pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls or ()]
+
+
+def tool_call_deltas(deltas: Sequence[ToolCallDelta]) -> List[pb.ToolCallDelta]:
+    return [pb.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "",
+                             arguments=d.arguments) for d in deltas]
+
+
 def status_code(error: ProtocolError) -> grpc.StatusCode:
     """The gRPC status code that means what the HTTP API's status does."""
     if error.code == "overloaded":
@@ -120,9 +175,11 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> pb.Usage:
     return pb.Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens)
 
 
-def completion_response(request_id: str, text: str, token_ids: Any,
+def completion_response(request_id: str, text: Optional[str], token_ids: Any,
                         finish_reason: Optional[str], num_prompt_tokens: int,
-                        num_completion_tokens: int) -> pb.CompletionResponse:
-    return pb.CompletionResponse(id=request_id, text=text, token_ids=list(token_ids),
+                        num_completion_tokens: int,
+                        calls: Optional[Sequence[ToolCall]] = None) -> pb.CompletionResponse:
+    return pb.CompletionResponse(id=request_id, text=text or "", token_ids=list(token_ids),
                                  finish_reason=finish_reason or "",
-                                 usage=usage(num_prompt_tokens, num_completion_tokens))
+                                 usage=usage(num_prompt_tokens, num_completion_tokens),
+                                 tool_calls=tool_calls(calls))

@@ -33,6 +33,7 @@ from cluster.api.grpc_protocol import (
     completion_request,
     completion_response,
     status_code,
+    tool_call_deltas,
     usage,
 )
 from cluster.api.request_run import RequestRun
@@ -79,6 +80,10 @@ async def _response(run: RequestRun) -> pb.CompletionResponse:
     finally:
         run.end("abort")  # a no-op once the run ended; else it frees the group and the slot
     choice = run.choices[0]
+    if choice.tools is not None:  # a chat with tools: its calls parsed out of the text
+        parsed, reason = choice.tools.response(choice.finish_reason)
+        return completion_response(run.fmt.request_id, parsed.content, choice.token_ids, reason,
+                                   run.num_prompt_tokens, run.num_output_tokens, parsed.calls)
     return completion_response(run.fmt.request_id, "".join(choice.texts), choice.token_ids,
                                choice.finish_reason, run.num_prompt_tokens,
                                run.num_output_tokens)
@@ -89,8 +94,13 @@ async def _chunks(run: RequestRun) -> AsyncIterator[pb.CompletionChunk]:
         async for chunk, choice in updates:
             message = pb.CompletionChunk(id=run.fmt.request_id, text=chunk.delta_text,
                                          token_ids=chunk.new_token_ids)
+            reason = choice.finish_reason
+            if choice.tools is not None:  # a chat with tools: content and parts of calls
+                parsed, reason = choice.tools.streamed(chunk.finished, reason)
+                message.text = parsed.content
+                message.tool_calls.extend(tool_call_deltas(parsed.calls))
             if chunk.finished:
-                message.finish_reason = choice.finish_reason or ""
+                message.finish_reason = reason or ""
                 message.usage.CopyFrom(usage(run.num_prompt_tokens, run.num_output_tokens))
             yield message
 

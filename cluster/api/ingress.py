@@ -66,6 +66,8 @@ from cluster.api.openai_requests import (
 )
 from cluster.api.openapi_schema import openapi_document
 from cluster.api.prompt_pool import PromptPool
+from cluster.api.tools.formats import AUTO, server_format
+from cluster.api.tools.plan import plan_tools
 from cluster.api.request_limits import (
     IngressLimits,
     check_declared_length,
@@ -123,7 +125,8 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 class OpenAIIngress:
     def __init__(self, group_handle: DeploymentHandle, model_dir: str, served_model_name: str,
                  block_size: int, max_model_len: int, api_key: Optional[ApiKey] = None,
-                 limits: Optional[IngressLimits] = None, max_migrations: int = 3) -> None:
+                 limits: Optional[IngressLimits] = None, max_migrations: int = 3,
+                 tool_call_parser: str = AUTO) -> None:
         if block_size < 1 or max_model_len < 2:
             raise ValueError(f"block_size must be >= 1 and max_model_len >= 2, got "
                              f"{block_size} and {max_model_len}")
@@ -134,6 +137,10 @@ class OpenAIIngress:
         self._keys = KeyCheck(api_key)
         self._limits = limits or IngressLimits()
         self.prompts = PromptCodec(Path(model_dir))
+        tokenizer = self.prompts.tokenizer
+        # The model's tool-call format (None: requests with tools get a 400).
+        self._tool_format = server_format(tool_call_parser,
+                                          getattr(tokenizer, "chat_template", None))
         self._prompt_pool = PromptPool(self.prompts, self._limits)
         self.metrics = IngressMetrics(served_model_name, max_model_len, export_to_ray=True)
         self._page = MetricsPage(self.metrics)
@@ -262,6 +269,7 @@ class OpenAIIngress:
     async def chat_run(self, body: ChatCompletionRequest, timer: RequestTimer, *,
                        timeout_s: float, release: Callable[[], None]) -> RequestRun:
         """Apply the chat template, check the request, and send it to a TP group."""
+        tools = plan_tools(body, self._tool_format, self.prompts.tokenizer)
         await self._prompt_pool.check_constraint(body.constraint)
         prompt_ids = await self._prompt_pool.chat_prompt_ids(body)
         max_tokens = resolve_max_tokens(body.requested_max_tokens, len(prompt_ids),
@@ -270,7 +278,7 @@ class OpenAIIngress:
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
                          self.served_model_name, body.include_usage)
         return self._requests.start(fmt, body, [max_tokens], [prompt_ids], timer,
-                                    timeout_s=timeout_s, release=release)
+                                    timeout_s=timeout_s, release=release, tools=tools)
 
     def authorize(self, authorization: Optional[str]) -> None:
         """Checks an ``Authorization`` header's (or gRPC metadata's) value against the key."""
@@ -341,11 +349,13 @@ class OpenAIIngress:
 def build_ingress(groups: Application, model_dir: str, served_model_name: str, block_size: int,
                   max_model_len: int, api_key: Optional[ApiKey] = None,
                   limits: Optional[IngressLimits] = None, max_migrations: int = 3,
-                  replicas: Tuple[int, int] = (1, 1)) -> Application:
+                  replicas: Tuple[int, int] = (1, 1), tool_call_parser: str = AUTO
+                  ) -> Application:
     """The application: this ingress bound in front of the (bound) group deployment. Each
     replica takes ``limits.max_in_flight`` generation requests plus room for the cheap
     endpoints; Serve's proxy queues a bounded number beyond that (``cluster.api.admission``).
-    ``replicas``: (MIN, MAX); MIN < MAX autoscales on requests in flight per replica."""
+    ``replicas``: (MIN, MAX); MIN < MAX autoscales on requests in flight per replica.
+    ``tool_call_parser``: the model's tool-call format (`cluster.api.tools.formats`)."""
     limits = limits or IngressLimits()
     low, high = replicas
     scaling: Dict[str, Any] = {"num_replicas": low}
@@ -362,4 +372,4 @@ def build_ingress(groups: Application, model_dir: str, served_model_name: str, b
                                                retry_after_s=limits.retry_after_s),
         **scaling)
     return ingress.bind(groups, model_dir, served_model_name, block_size, max_model_len,
-                        api_key, limits, max_migrations)
+                        api_key, limits, max_migrations, tool_call_parser)

@@ -1,7 +1,7 @@
 """OpenAI's (and vLLM's) request bodies for ``/v1/completions`` and ``/v1/chat/completions``.
 
 Every field a client sends is either honoured or refused by name. Fields that OpenAI or vLLM
-define and tpserve does not implement (tools, beam search, ...) are accepted
+define and tpserve does not implement (beam search, ...) are accepted
 only at their default values; any other value is a 400 naming the field. Fields nobody defines
 are ignored and listed by ``ignored_fields()`` so the ingress can log them, as vLLM does.
 Extensions beyond OpenAI's fields, as vLLM names them: ``top_k``, ``min_p``,
@@ -9,7 +9,9 @@ Extensions beyond OpenAI's fields, as vLLM names them: ``top_k``, ``min_p``,
 ``include_stop_str_in_output``, ``stream_options.continuous_usage_stats``, ``add_special_tokens``,
 and for chat ``chat_template``, ``chat_template_kwargs``, ``add_generation_prompt``,
 ``continue_final_message``. The fields that constrain the output (``response_format``,
-``structured_outputs``, ``guided_*``): `cluster.api.structured_requests`.
+``structured_outputs``, ``guided_*``): `cluster.api.structured_requests`. Tool calling (``tools``, ``tool_choice``,
+``parallel_tool_calls``, assistant ``tool_calls``): `cluster.api.tools.definitions`; the deprecated
+``functions`` and ``function_call`` are refused.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, ClassVar, Dict, List, Literal, Optional, Tuple, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.api.protocol import ProtocolError
+from cluster.api.tools.definitions import AssistantToolCall, ToolFields
 from cluster.api.structured_requests import StructuredFields
 from workers.sampling_params import SamplingParams
 
@@ -41,14 +44,13 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 1024
 _REFUSED_COMPLETION = {**_REFUSED_COMMON, "suffix": (None, ""), "best_of": (None, 1)}
 _REFUSED_CHAT = {
-    **_REFUSED_COMMON, "tools": (None, []), "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,), "functions": (None, []), "function_call": (None, "none"),
+    **_REFUSED_COMMON, "functions": (None, []), "function_call": (None, "none"),
     "reasoning_effort": (None,), "modalities": (None, ["text"]), "audio": (None,),
     "prediction": (None,), "web_search_options": (None,), "store": (None, False),
     "metadata": (None,), "documents": (None,), "mm_processor_kwargs": (None,),
     "echo": (None, False),
 }
-_REFUSED_IN_MESSAGES = {"tool_calls": (None, []), "function_call": (None,)}
+_REFUSED_IN_MESSAGES = {"function_call": (None,)}
 # Parameters of transformers' apply_chat_template, which the server sets (or refuses as the
 # request's own fields): chat_template_kwargs holds the template's variables only. Its
 # chat_template is a template sent in the request (cluster.api.request_limits.check_chat_templates).
@@ -238,9 +240,13 @@ class ChatMessage(BaseModel):
     content: Optional[Union[str, List[ContentPart]]] = Field(None, description="Text or parts.")
     name: Optional[str] = Field(None, description="The author's name.")
     tool_call_id: Optional[str] = Field(None, description="Which call a tool message answers.")
+    tool_calls: Optional[List[AssistantToolCall]] = Field(
+        None, description="An assistant message's calls of the request's tools.")
 
-    def template_message(self) -> Dict[str, str]:
-        """The message as the chat template sees it: text parts joined by newlines."""
+    def template_message(self, index: int = 0) -> Dict[str, Any]:
+        """The message as the chat template sees it: text parts joined by newlines, and tool
+        calls with their arguments as mappings (a 400 naming ``messages[index]`` when they are
+        not JSON objects)."""
         content = self.content
         if isinstance(content, list):
             bad = sorted({p.type for p in content if p.type != "text"})
@@ -252,6 +258,9 @@ class ChatMessage(BaseModel):
         for key in ("name", "tool_call_id"):
             if getattr(self, key):
                 message[key] = getattr(self, key)
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_call(f"messages[{index}].tool_calls[{j}]")
+                                     for j, call in enumerate(self.tool_calls)]
         return message
 
 
@@ -293,6 +302,14 @@ class _TemplateFields(BaseModel):
                                 param="continue_final_message")
         return self
 
+    @model_validator(mode="after")
+    def _tool_call_arguments(self) -> "_TemplateFields":
+        """Each assistant tool call's arguments are a JSON object (400 naming the call)."""
+        for i, message in enumerate(self.messages):
+            for j, call in enumerate(message.tool_calls or ()):
+                call.template_call(f"messages[{i}].tool_calls[{j}]")
+        return self
+
     def request_templates(self) -> List[Tuple[str, Any]]:
         """The chat templates the request sends, each with the field that carries it."""
         sent = [("chat_template", self.chat_template),
@@ -310,7 +327,7 @@ class _TemplateFields(BaseModel):
         return options
 
 
-class ChatCompletionRequest(_TemplateFields, _SamplingFields):
+class ChatCompletionRequest(ToolFields, _TemplateFields, _SamplingFields):
     """``POST /v1/chat/completions``; the prompt is the checkpoint's chat template applied."""
 
     _refused: ClassVar[Dict[str, Tuple[Any, ...]]] = _REFUSED_CHAT
@@ -333,6 +350,15 @@ class ChatCompletionRequest(_TemplateFields, _SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("top_logprobs requires logprobs to be true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_options(self) -> Dict[str, Any]:
+        """The template's options with the request's ``tools`` (rendered even with
+        ``tool_choice`` none, as vLLM does)."""
+        options = super().template_options()
+        tools = self.template_tools()
+        if tools:
+            options["tools"] = tools
+        return options
 
 
 class TokenizeCompletionRequest(BaseModel):

@@ -48,7 +48,7 @@ class PromptCodec:
         if self.tokenizer is None:
             raise ProtocolError("this model has no tokenizer, so no chat template: use "
                                 "/v1/completions with token ids", param="messages")
-        conversation = [m.template_message() for m in messages]
+        conversation = [m.template_message(i) for i, m in enumerate(messages)]
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
         except Exception as exc:  # jinja errors (e.g. roles must alternate), no template

@@ -27,6 +27,7 @@ from typing import (
 from pydantic import BaseModel, ValidationError
 
 if TYPE_CHECKING:  # the engine's type, without importing torch into the protocol
+    from cluster.api.tools.calls import ToolCall, ToolCallDelta
     from workers.sampler import SampledToken
 
 R = TypeVar("R", bound=BaseModel)
@@ -195,11 +196,13 @@ SSE_DONE = "data: [DONE]\n\n"
 
 @dataclass
 class ChoiceResult:
-    """One choice as the response shows it."""
+    """One choice as the response shows it. With ``tool_calls``, ``text`` None is a chat
+    message's null content."""
 
-    text: str
+    text: Optional[str]
     finish_reason: Optional[str]
     logprobs: Optional[Sequence[TokenLogprob]] = None
+    tool_calls: Optional[Sequence[ToolCall]] = None
 
 
 class CompletionFormat:
@@ -257,8 +260,8 @@ class CompletionFormat:
 
 class ChatFormat(CompletionFormat):
     """Builds one ``chat.completion`` response or its ``chat.completion.chunk`` stream: each
-    choice's first chunk carries the role, the next ones content, the last one the finish
-    reason."""
+    choice's first chunk carries the role, the next ones content or tool calls
+    (``delta.tool_calls``), the last one the finish reason."""
 
     object_name = "chat.completion.chunk"
 
@@ -282,15 +285,27 @@ class ChatFormat(CompletionFormat):
                usage_now: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
         return self._chunk(index, {}, finish_reason, None, usage_now)
 
+    def tool_delta(self, calls: Sequence[ToolCallDelta], index: int = 0,
+                   usage_now: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+        return self._chunk(index, {"tool_calls": [c.openai() for c in calls]}, None, None,
+                           usage_now)
+
     def usage_chunk(self, num_prompt: int, num_completion: int) -> Dict[str, Any]:
         return self._envelope([], usage(num_prompt, num_completion), system_fingerprint=None)
+
+    @staticmethod
+    def message(choice: ChoiceResult) -> Dict[str, Any]:
+        message: Dict[str, Any] = {"role": "assistant", "content": choice.text}
+        if choice.tool_calls:
+            message["tool_calls"] = [call.openai() for call in choice.tool_calls]
+        return message
 
     def response(self, choices: Sequence[ChoiceResult], num_prompt: int,
                  num_completion: int) -> Dict[str, Any]:
         return {
             "id": self.request_id, "object": "chat.completion", "created": self.created,
             "model": self.model, "system_fingerprint": None,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+            "choices": [{"index": i, "message": self.message(c),
                          "logprobs": chat_logprobs(c.logprobs) if c.logprobs is not None
                          else None, "finish_reason": c.finish_reason}
                         for i, c in enumerate(choices)],

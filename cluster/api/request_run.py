@@ -4,7 +4,9 @@
 and turns its failures into ``ProtocolError``s; ``RequestRun`` keeps what has been seen of each
 of the request's ``n`` choices (text and token ids) and builds the JSON response (``collect``)
 or the stream of server-sent events (``events``); the gRPC API reads its chunks (``updates``)
-or waits for the end (``drain``). Nothing here knows Ray Serve beyond the handle's response object.
+or waits for the end (``drain``). A chat request with tools (`cluster.api.tools.plan`) has each
+choice's text parsed into content and tool calls, whole or as it streams (one parser per
+choice). Nothing here knows Ray Serve beyond the handle's response object.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ray.serve.handle import DeploymentResponseGenerator
 
 from cluster.api.admission import DEFAULT_RETRY_AFTER_S, overloaded
 from cluster.api.metrics import RequestTimer
+from cluster.api.tools.plan import ChoiceTools, ToolPlan
 from cluster.contract import GroupChunk
 from cluster.api.protocol import (
     SSE_DONE,
@@ -231,6 +234,7 @@ class _Choice:
     num_output_tokens: int = 0
     finish_reason: Optional[str] = None
     logprobs: List[TokenLogprob] = field(default_factory=list)
+    tools: Optional[ChoiceTools] = None  # the request has tools to parse
 
 
 @dataclass
@@ -251,11 +255,13 @@ class RequestRun:
     on_end: Callable[["RequestRun", Optional[str]], None]
     echo: List[str] = field(default_factory=list)  # empty: no echo
     continuous_usage: bool = False
+    tools: Optional[ToolPlan] = None
     choices: List[_Choice] = field(default_factory=list)
     is_recorded: bool = False
 
     def __post_init__(self) -> None:
-        self.choices = [_Choice() for _ in range(self.num_choices)]
+        self.choices = [_Choice(tools=self.tools.choice() if self.tools else None)
+                        for _ in range(self.num_choices)]
 
     @property
     def num_output_tokens(self) -> int:
@@ -277,6 +283,8 @@ class RequestRun:
         self.timer.on_tokens(len(chunk.new_token_ids))
         choice.num_output_tokens = chunk.num_output_tokens
         choice.texts.append(chunk.delta_text)
+        if choice.tools is not None:
+            choice.tools.add(chunk.delta_text, chunk.new_token_ids)
         choice.token_ids.extend(chunk.new_token_ids)
         if chunk.finished:
             choice.finish_reason = chunk.finish_reason
@@ -307,10 +315,16 @@ class RequestRun:
     async def collect(self) -> Dict[str, Any]:
         """The whole response, once every choice finished."""
         await self.drain()
-        results = [ChoiceResult(self._echo(i) + "".join(c.texts), c.finish_reason,
-                                c.logprobs if self.want_logprobs else None)
-                   for i, c in enumerate(self.choices)]
+        results = [self._result(i, c) for i, c in enumerate(self.choices)]
         return self.fmt.response(results, self.num_prompt_tokens, self.num_output_tokens)
+
+    def _result(self, index: int, choice: _Choice) -> ChoiceResult:
+        logprobs = choice.logprobs if self.want_logprobs else None
+        if choice.tools is None:
+            return ChoiceResult(self._echo(index) + "".join(choice.texts), choice.finish_reason,
+                                logprobs)
+        parsed, reason = choice.tools.response(choice.finish_reason)
+        return ChoiceResult(parsed.content, reason, logprobs, parsed.calls)
 
     async def first_chunk(self) -> GroupChunk:
         """Waits for the first chunk, so an error before it still gets its HTTP status."""
@@ -352,6 +366,8 @@ class RequestRun:
         choice = self._on_chunk(chunk)
         num_new = len(chunk.logprobs) if self.want_logprobs else 0
         new_logprobs = choice.logprobs[len(choice.logprobs) - num_new:] if num_new else None
+        if choice.tools is not None:
+            return self._tool_events(chunk, choice, new_logprobs)
         events = []
         if chunk.delta_text or new_logprobs:
             events.append(sse_event(self.fmt.delta(chunk.delta_text, new_logprobs, index,
@@ -359,6 +375,23 @@ class RequestRun:
         if chunk.finished:
             events.append(sse_event(self.fmt.finish(choice.finish_reason, index,
                                                     self._usage_now())))
+        return events
+
+    def _tool_events(self, chunk: GroupChunk, choice: _Choice,
+                     new_logprobs: Optional[List[TokenLogprob]]) -> List[str]:
+        """A chunk of a choice whose text is parsed: its content and its tool-call parts."""
+        assert choice.tools is not None
+        index = chunk.index
+        parsed, reason = choice.tools.streamed(chunk.finished, choice.finish_reason)
+        events = []
+        if parsed.content or new_logprobs:
+            events.append(sse_event(self.fmt.delta(parsed.content, new_logprobs, index,
+                                                   self._usage_now())))
+        if parsed.calls:
+            events.append(sse_event(self.fmt.tool_delta(  # type: ignore[attr-defined]
+                parsed.calls, index, self._usage_now())))
+        if chunk.finished:
+            events.append(sse_event(self.fmt.finish(reason, index, self._usage_now())))
         return events
 
     def _echo(self, index: int) -> str:

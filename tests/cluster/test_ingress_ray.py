@@ -149,6 +149,15 @@ def test_bad_requests_get_400_with_a_message(client, kwargs, words):
     assert info.value.body["message"] and "type" in info.value.body
 
 
+def test_tools_on_a_model_without_a_tool_call_format_are_a_400(client):
+    # The tiny checkpoint's chat template has no tool section, and no --tool-call-parser is set.
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       tools=tools, max_tokens=4)
+    assert info.value.body["param"] == "tools" and "--tool-call-parser" in info.value.message
+
+
 def test_unknown_model_and_bad_json(client, server):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user",

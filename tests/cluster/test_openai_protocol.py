@@ -161,7 +161,7 @@ def test_chat_messages():
         image.messages[0].template_message()
     assert refused(chat, messages=[]).param == "messages"
     assert refused(chat, messages=[{"role": "robot", "content": "x"}]).param == "messages.0.role"
-    assert "tools is not supported" in refused(chat, tools=[{"type": "function"}]).message
+    assert refused(chat, tools=[{"type": "function"}]).param == "tools.0.function"
     assert refused(chat, response_format={"type": "xml"}).param == "response_format.type"
 
 
@@ -285,16 +285,13 @@ def test_sse_framing_and_models():
     (completion, {"prompt_logprobs": 1}, "prompt_logprobs"),
     (completion, {"suffix": "x"}, "suffix"),
     (completion, {"best_of": 3}, "best_of"),
-    (chat, {"tool_choice": "auto"}, "tool_choice"),
     (chat, {"functions": [{"name": "f"}]}, "functions"),
     (chat, {"function_call": "auto"}, "function_call"),
-    (chat, {"tools": [{"type": "function"}]}, "tools"),
     (chat, {"structured_outputs": {"whitespace_pattern": " "}},
      "structured_outputs.whitespace_pattern"),
     (chat, {"skip_special_tokens": False}, "skip_special_tokens"),
-    (chat, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
-     "messages[0].tool_calls"),
+    (chat, {"messages": [{"role": "assistant", "content": None, "function_call": {
+        "name": "f", "arguments": "{}"}}]}, "messages[0].function_call"),
 ])
 def test_known_but_unsupported_parameters_are_refused_by_name(build, fields, param):
     err = refused(build, **fields)
