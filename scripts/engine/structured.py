@@ -1,0 +1,147 @@
+"""``bench_engine.py --structured``: what constrained decoding costs a decode step.
+
+One batch of ``--structured-batch`` chat requests (the model's chat template) runs three ways, in the same process, one after
+another, for ``--structured-rounds`` rounds (interleaved, so a busy shared machine weighs on
+each alike):
+
+* ``plain``: every request unconstrained (``ignore_eos``, ``--structured-tokens`` tokens);
+* ``constrained``: the same, but every second request constrained by `PROFILE_SCHEMA` (a
+  nested object of 10 fields: bounded strings, enums, integers, a number, a boolean, an array);
+  its grammar's masks filled while the model's forward runs (the engine's default);
+* ``constrained_sync``: the same, masks filled just before sampling instead.
+
+The figure is the mean duration of the decode steps that sample the whole batch (a constrained
+request stops when its JSON is complete; steps after that have fewer rows and are not counted):
+``overhead = mean(constrained) / mean(plain) - 1``. Greedy throughout; grammars are compiled
+(and cached) before the first timed round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Dict, List, Sequence
+
+from workers.llm import LLM
+from workers.sampling_params import SamplingParams
+from workers.structured.spec import StructuredOutput
+
+PROFILE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 32},
+        "email": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "editor", "viewer", "guest"]},
+        "active": {"type": "boolean"},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4},
+        "address": {
+            "type": "object",
+            "properties": {"street": {"type": "string", "maxLength": 40},
+                           "city": {"type": "string", "maxLength": 24},
+                           "country": {"enum": ["FR", "DE", "US", "JP", "BR"]}},
+            "required": ["street", "city", "country"], "additionalProperties": False,
+        },
+        "bio": {"type": "string", "maxLength": 80},
+        "joined_year": {"type": "integer", "minimum": 1990, "maximum": 2030},
+    },
+    "required": ["name", "email", "age", "role", "active", "score", "tags", "address", "bio",
+                 "joined_year"],
+    "additionalProperties": False,
+}
+SUBJECTS = ["a violinist from Lyon", "a retired sailor", "a data engineer in Osaka",
+            "a beekeeper", "a chess coach", "a nurse in Recife", "a carpenter", "a student"]
+MODES = ("plain", "constrained", "constrained_sync")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--structured", action="store_true",
+                   help="measure constrained decoding instead: decode step time with half the "
+                        "batch constrained by a JSON schema, against the batch unconstrained")
+    p.add_argument("--structured-batch", type=int, default=16, help="requests per batch")
+    p.add_argument("--structured-tokens", type=int, default=96,
+                   help="tokens per unconstrained request (the most per constrained one)")
+    p.add_argument("--structured-rounds", type=int, default=3, help="rounds of the three runs")
+
+
+def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.structured_batch < 2:
+        p.error("--structured-batch must be at least 2 (half of it is constrained)")
+    for name in ("structured_tokens", "structured_rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def prompts(llm: LLM, batch: int) -> List[str]:
+    tokenizer = llm.engine.tokenizer
+    return [tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Write a JSON profile of {SUBJECTS[i % len(SUBJECTS)]} "
+                                     f"(number {i})."}],
+        tokenize=False, add_generation_prompt=True) for i in range(batch)]
+
+
+def batch_params(mode: str, batch: int, max_tokens: int) -> List[SamplingParams]:
+    plain = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    if mode == "plain":
+        return [plain] * batch
+    schema = StructuredOutput("json_schema", json.dumps(PROFILE_SCHEMA), any_whitespace=False)
+    constrained = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=schema)
+    return [constrained if i % 2 else plain for i in range(batch)]
+
+
+def run_mode(llm: LLM, mode: str, texts: Sequence[str], max_tokens: int) -> Dict[str, float]:
+    engine = llm.engine
+    engine.structured.overlap_masks = mode != "constrained_sync"
+    first = len(engine.step_records)
+    started = time.perf_counter()
+    outs = llm.generate(texts, batch_params(mode, len(texts), max_tokens))
+    wall_s = time.perf_counter() - started
+    full = [r.duration_s for r in engine.step_records[first:]
+            if r.is_decode_only and len(r.seqs) == len(texts)]
+    if not full:
+        raise RuntimeError(f"{mode}: no decode step sampled the whole batch")
+    finished = [o for o in outs[1::2]] if mode != "plain" else []
+    valid = sum(_is_valid(o.text) for o in finished if o.finish_reason == "stop")
+    return {"step_ms": 1000 * statistics.mean(full), "num_steps": len(full), "wall_s": wall_s,
+            "tokens": sum(len(o.output_token_ids) for o in outs),
+            "constrained_valid": valid, "constrained_total": len(finished)}
+
+
+def _is_valid(text: str) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), PROFILE_SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def run_structured(llm: LLM, args: argparse.Namespace) -> Dict[str, object]:
+    texts = prompts(llm, args.structured_batch)
+    run_mode(llm, "constrained", texts[:2], 8)  # compiles the grammar, warms every path
+    rounds: Dict[str, List[Dict[str, float]]] = {mode: [] for mode in MODES}
+    for round_index in range(args.structured_rounds):
+        for mode in MODES:
+            result = run_mode(llm, mode, texts, args.structured_tokens)
+            rounds[mode].append(result)
+            print(f"  round {round_index + 1} {mode:<17}{result['step_ms']:7.2f} ms/step over "
+                  f"{result['num_steps']} full steps  (load average {os.getloadavg()[0]:.1f})",
+                  flush=True)
+    step_ms = {mode: statistics.median(r["step_ms"] for r in rounds[mode]) for mode in MODES}
+    result: Dict[str, object] = {f"{mode}_step_ms": step_ms[mode] for mode in MODES}
+    result["overhead_frac"] = step_ms["constrained"] / step_ms["plain"] - 1
+    result["overhead_sync_frac"] = step_ms["constrained_sync"] / step_ms["plain"] - 1
+    last = rounds["constrained"][-1]
+    result.update(batch=args.structured_batch, max_tokens=args.structured_tokens,
+                  rounds=args.structured_rounds, constrained_valid=last["constrained_valid"],
+                  constrained_total=last["constrained_total"])
+    print(f"\nconstrained / plain decode step: {1 + result['overhead_frac']:.3f} "
+          f"(masks during the forward), {1 + result['overhead_sync_frac']:.3f} (before "
+          f"sampling); {last['constrained_valid']}/{last['constrained_total']} constrained "
+          f"outputs complete and valid")
+    return result
