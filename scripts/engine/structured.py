@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure constrained decoding instead: decode step time with half the "
                         "batch constrained by a JSON schema, against the batch unconstrained")
     p.add_argument("--structured-batch", type=int, default=16, help="requests per batch")
-    p.add_argument("--structured-tokens", type=int, default=96,
+    p.add_argument("--structured-tokens", type=int, default=160,
                    help="tokens per unconstrained request (the most per constrained one)")
     p.add_argument("--structured-rounds", type=int, default=3, help="rounds of the three runs")
 
