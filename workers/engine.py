@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 import uuid
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -37,6 +37,9 @@ from workers.step_plan import StepPlan, broadcast_plan
 from workers.structured.decoding import StructuredDecoding
 from workers.tier_setup import build_kv_manager, save_token_index, tier_stats
 from workers.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +107,8 @@ class LLMEngine:
 
     def add_request(self, prompt: Union[str, Sequence[int]], params: SamplingParams,
                     request_id: Optional[str] = None,
-                    resume_output_ids: Sequence[int] = (), grammar=None) -> RequestId:
+                    resume_output_ids: Sequence[int] = (),
+                    grammar: Optional["xgr.CompiledGrammar"] = None) -> RequestId:
         """Queue a request (text, or token ids); raises ``ValueError`` on bad input.
 
         ``resume_output_ids``: the tokens another engine already produced for this request (a

@@ -111,6 +111,15 @@ def test_ebnf_output_is_accepted_by_a_fresh_matcher(llm):
                             out.text), out.text
 
 
+def test_logprobs_are_those_of_the_raw_model_output(llm):
+    out = llm.generate(["hi"], constrained("choice", choices=("yes",), logprobs=3))[0]
+    assert out.text == "yes" and out.finish_reason == "stop"
+    # Each token was the only one allowed: masked logprobs would all be 0.
+    assert all(entry.logprob < -1.0 for entry in out.logprobs)
+    assert any(entry.top_logprobs[0][0] != token
+               for entry, token in zip(out.logprobs, out.output_token_ids))
+
+
 def test_a_spec_that_does_not_compile_is_refused_at_add_request(llm):
     with pytest.raises(ValueError, match="the regex does not compile"):
         llm.engine.add_request("hi", constrained("regex", "[a-"))
