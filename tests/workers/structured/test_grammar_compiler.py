@@ -47,12 +47,13 @@ def test_a_spec_that_does_not_compile_is_a_value_error_naming_kind_and_reason(
 
 
 def test_choices_are_taken_literally(cache, tokenizer):
-    choices = ("a.b", "c|d", "(x)*", "1+1=2", "[no]", "tab\there", "back\\slash", "{}?^$")
+    choices = ("a.b", "c|d", "(x)*", "1+1=2", "[no]", "tab\there", "back\\slash", "{}?^$",
+               "x-y/z", "café ☕")
     assert all(re.fullmatch(choice_regex(choices), choice) for choice in choices)
     compiled = cache.compile(StructuredOutput("choice", choices=choices))
     for choice in choices:
         assert complete_with(RequestGrammar(compiled, None), tokenizer, choice), choice
-    for near_miss in ("aXb", "c", "d", "x", "(x)", "1+1", "no", "{}"):
+    for near_miss in ("aXb", "c", "d", "x", "(x)", "1+1", "no", "{}", "x-y", "cafe ☕"):
         assert not complete_with(RequestGrammar(compiled, None), tokenizer, near_miss), near_miss
 
 
