@@ -14,19 +14,27 @@ The figure is the mean duration of the decode steps that sample the whole batch 
 request stops when its JSON is complete; steps after that have fewer rows and are not counted):
 ``overhead = mean(constrained) / mean(plain) - 1``. Greedy throughout; grammars are compiled
 (and cached) before the first timed round.
+
+On a shared machine whole runs drift by more than the overhead, so every constrained run also
+times the mask work on the step's critical path (starting the fill, waiting for it, applying the
+masks, advancing the matchers): ``mask_share`` is that time over the run's step time, measured
+in the same steps, the overhead that no load drift can hide.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import time
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, Iterator, List, Sequence
 
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
+from workers.structured.decoding import PendingMask
+from workers.structured.matcher import TokenMask
 from workers.structured.spec import StructuredOutput
 
 PROFILE_SCHEMA = {
@@ -93,20 +101,47 @@ def batch_params(mode: str, batch: int, max_tokens: int) -> List[SamplingParams]
     return [constrained if i % 2 else plain for i in range(batch)]
 
 
+@contextlib.contextmanager
+def timed_mask_work(structured) -> Iterator[List[float]]:
+    """Seconds spent in the engine's mask work on the step's path, summed into ``[total]``."""
+    total = [0.0]
+
+    def timed(fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total[0] += time.perf_counter() - started
+        return wrapper
+
+    saved = (TokenMask.apply, PendingMask.result)
+    TokenMask.apply, PendingMask.result = timed(TokenMask.apply), timed(PendingMask.result)
+    structured.start_masks = timed(structured.start_masks)
+    structured.accept = timed(structured.accept)
+    try:
+        yield total
+    finally:
+        TokenMask.apply, PendingMask.result = saved
+        del structured.start_masks, structured.accept
+
+
 def run_mode(llm: LLM, mode: str, texts: Sequence[str], max_tokens: int) -> Dict[str, float]:
     engine = llm.engine
     engine.structured.overlap_masks = mode != "constrained_sync"
     first = len(engine.step_records)
     started = time.perf_counter()
-    outs = llm.generate(texts, batch_params(mode, len(texts), max_tokens))
+    with timed_mask_work(engine.structured) as mask_s:
+        outs = llm.generate(texts, batch_params(mode, len(texts), max_tokens))
     wall_s = time.perf_counter() - started
-    full = [r.duration_s for r in engine.step_records[first:]
-            if r.is_decode_only and len(r.seqs) == len(texts)]
+    steps = engine.step_records[first:]
+    full = [r.duration_s for r in steps if r.is_decode_only and len(r.seqs) == len(texts)]
     if not full:
         raise RuntimeError(f"{mode}: no decode step sampled the whole batch")
     finished = [o for o in outs[1::2]] if mode != "plain" else []
     valid = sum(_is_valid(o.text) for o in finished if o.finish_reason == "stop")
     return {"step_ms": 1000 * statistics.mean(full), "num_steps": len(full), "wall_s": wall_s,
+            "mask_share": mask_s[0] / sum(r.duration_s for r in steps),
             "tokens": sum(len(o.output_token_ids) for o in outs),
             "constrained_valid": valid, "constrained_total": len(finished)}
 
@@ -130,18 +165,23 @@ def run_structured(llm: LLM, args: argparse.Namespace) -> Dict[str, object]:
             result = run_mode(llm, mode, texts, args.structured_tokens)
             rounds[mode].append(result)
             print(f"  round {round_index + 1} {mode:<17}{result['step_ms']:7.2f} ms/step over "
-                  f"{result['num_steps']} full steps  (load average {os.getloadavg()[0]:.1f})",
-                  flush=True)
+                  f"{result['num_steps']} full steps, masks {100 * result['mask_share']:.2f}% "
+                  f"(load average {os.getloadavg()[0]:.1f})", flush=True)
     step_ms = {mode: statistics.median(r["step_ms"] for r in rounds[mode]) for mode in MODES}
     result: Dict[str, object] = {f"{mode}_step_ms": step_ms[mode] for mode in MODES}
     result["overhead_frac"] = step_ms["constrained"] / step_ms["plain"] - 1
     result["overhead_sync_frac"] = step_ms["constrained_sync"] / step_ms["plain"] - 1
+    for mode in MODES[1:]:
+        result[f"{mode}_mask_share"] = statistics.median(r["mask_share"] for r in rounds[mode])
     last = rounds["constrained"][-1]
     result.update(batch=args.structured_batch, max_tokens=args.structured_tokens,
                   rounds=args.structured_rounds, constrained_valid=last["constrained_valid"],
                   constrained_total=last["constrained_total"])
     print(f"\nconstrained / plain decode step: {1 + result['overhead_frac']:.3f} "
           f"(masks during the forward), {1 + result['overhead_sync_frac']:.3f} (before "
-          f"sampling); {last['constrained_valid']}/{last['constrained_total']} constrained "
-          f"outputs complete and valid")
+          f"sampling); mask work on the step's path: "
+          f"{100 * result['constrained_mask_share']:.2f}% / "
+          f"{100 * result['constrained_sync_mask_share']:.2f}% of step time; "
+          f"{last['constrained_valid']}/{last['constrained_total']} constrained outputs "
+          f"complete and valid")
     return result

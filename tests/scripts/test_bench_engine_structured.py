@@ -35,3 +35,4 @@ def test_a_tiny_structured_run_reports_every_mode(smollm2_tiny):
     for mode in ("plain", "constrained", "constrained_sync"):
         assert result[f"{mode}_step_ms"] > 0
     assert result["overhead_frac"] > -1 and result["constrained_total"] == 1
+    assert 0 < result["constrained_sync_mask_share"] < 1
