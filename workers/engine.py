@@ -196,21 +196,19 @@ class LLMEngine:
         started = time.perf_counter()
         self._maybe_snapshot()
         scheduled = self.scheduler.schedule()
-        # Those whose last token this step computes; their masks fill while the model runs.
-        sampled_requests = [r for r, n in scheduled.scheduled
-                            if r.num_computed_tokens + n == r.num_tokens]
-        masks = self.structured.start_masks([r.grammar for r in sampled_requests])
         logits, tier_results = self._execute(scheduled.plan)
         self.scheduler.update(scheduled, tier_results)
         outputs = [self._finish_output(r) for r in self._aborted + list(scheduled.finished)]
         self._aborted = []
+        sampled_requests = [r for r, n in scheduled.scheduled
+                            if r.num_computed_tokens == r.num_tokens]
         if sampled_requests:
             assert logits is not None and logits.shape[0] == len(sampled_requests)
             tokens = sample(logits, [r.params for r in sampled_requests],
                             [r.generator for r in sampled_requests],
                             [(r.prompt_token_ids, r.output_token_ids) for r in sampled_requests],
                             self.model_config.eos_token_ids,
-                            masks.result() if masks is not None else None)
+                            self.structured.masks([r.grammar for r in sampled_requests]))
             outputs.extend(self._append(r, t) for r, t in zip(sampled_requests, tokens))
         if scheduled.plan.seqs:
             self._record(scheduled, time.perf_counter() - started)
@@ -368,7 +366,6 @@ class LLMEngine:
         self._is_shut_down = True
         if self._keepalive is not None:
             self._keepalive.close()  # from here on only this thread broadcasts
-        self.structured.close()
         try:
             self._drain_transfers()
             self._maybe_snapshot(force=True)

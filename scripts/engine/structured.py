@@ -1,14 +1,12 @@
 """``bench_engine.py --structured``: what constrained decoding costs a decode step.
 
-One batch of ``--structured-batch`` chat requests (the model's chat template) runs three ways, in the same process, one after
-another, for ``--structured-rounds`` rounds (interleaved, so a busy shared machine weighs on
-each alike):
+One batch of ``--structured-batch`` chat requests (the model's chat template) runs two ways, in
+the same process, one after the other, for ``--structured-rounds`` rounds (interleaved, so a
+busy shared machine weighs on each alike):
 
 * ``plain``: every request unconstrained (``ignore_eos``, ``--structured-tokens`` tokens);
 * ``constrained``: the same, but every second request constrained by `PROFILE_SCHEMA` (a
-  nested object of 10 fields: bounded strings, enums, integers, a number, a boolean, an array);
-  its grammar's masks filled while the model's forward runs (the engine's default);
-* ``constrained_sync``: the same, masks filled just before sampling instead.
+  nested object of 10 fields: bounded strings, enums, integers, a number, a boolean, an array).
 
 The figure is the mean duration of the decode steps that sample the whole batch (a constrained
 request stops when its JSON is complete; steps after that have fewer rows and are not counted):
@@ -16,9 +14,9 @@ request stops when its JSON is complete; steps after that have fewer rows and ar
 (and cached) before the first timed round.
 
 On a shared machine whole runs drift by more than the overhead, so every constrained run also
-times the mask work on the step's critical path (starting the fill, waiting for it, applying the
-masks, advancing the matchers): ``mask_share`` is that time over the run's step time, measured
-in the same steps, the overhead that no load drift can hide.
+times the mask work of its steps (filling the masks, applying them, advancing the matchers):
+``mask_share`` is that time over the run's step time, measured in the same steps, the overhead
+that no load drift can hide.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ from typing import Callable, Dict, Iterator, List, Sequence
 
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
-from workers.structured.decoding import PendingMask
 from workers.structured.matcher import TokenMask
 from workers.structured.spec import StructuredOutput
 
@@ -63,7 +60,7 @@ PROFILE_SCHEMA = {
 }
 SUBJECTS = ["a violinist from Lyon", "a retired sailor", "a data engineer in Osaka",
             "a beekeeper", "a chess coach", "a nurse in Recife", "a carpenter", "a student"]
-MODES = ("plain", "constrained", "constrained_sync")
+MODES = ("plain", "constrained")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured-batch", type=int, default=16, help="requests per batch")
     p.add_argument("--structured-tokens", type=int, default=160,
                    help="tokens per unconstrained request (the most per constrained one)")
-    p.add_argument("--structured-rounds", type=int, default=3, help="rounds of the three runs")
+    p.add_argument("--structured-rounds", type=int, default=3, help="rounds of the two runs")
 
 
 def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -103,7 +100,7 @@ def batch_params(mode: str, batch: int, max_tokens: int) -> List[SamplingParams]
 
 @contextlib.contextmanager
 def timed_mask_work(structured) -> Iterator[List[float]]:
-    """Seconds spent in the engine's mask work on the step's path, summed into ``[total]``."""
+    """Seconds spent in the engine's mask work, summed into ``[total]``."""
     total = [0.0]
 
     def timed(fn: Callable) -> Callable:
@@ -115,20 +112,19 @@ def timed_mask_work(structured) -> Iterator[List[float]]:
                 total[0] += time.perf_counter() - started
         return wrapper
 
-    saved = (TokenMask.apply, PendingMask.result)
-    TokenMask.apply, PendingMask.result = timed(TokenMask.apply), timed(PendingMask.result)
-    structured.start_masks = timed(structured.start_masks)
+    saved = TokenMask.apply
+    TokenMask.apply = timed(TokenMask.apply)
+    structured.masks = timed(structured.masks)
     structured.accept = timed(structured.accept)
     try:
         yield total
     finally:
-        TokenMask.apply, PendingMask.result = saved
-        del structured.start_masks, structured.accept
+        TokenMask.apply = saved
+        del structured.masks, structured.accept
 
 
 def run_mode(llm: LLM, mode: str, texts: Sequence[str], max_tokens: int) -> Dict[str, float]:
     engine = llm.engine
-    engine.structured.overlap_masks = mode != "constrained_sync"
     first = len(engine.step_records)
     started = time.perf_counter()
     with timed_mask_work(engine.structured) as mask_s:
@@ -170,18 +166,13 @@ def run_structured(llm: LLM, args: argparse.Namespace) -> Dict[str, object]:
     step_ms = {mode: statistics.median(r["step_ms"] for r in rounds[mode]) for mode in MODES}
     result: Dict[str, object] = {f"{mode}_step_ms": step_ms[mode] for mode in MODES}
     result["overhead_frac"] = step_ms["constrained"] / step_ms["plain"] - 1
-    result["overhead_sync_frac"] = step_ms["constrained_sync"] / step_ms["plain"] - 1
-    for mode in MODES[1:]:
-        result[f"{mode}_mask_share"] = statistics.median(r["mask_share"] for r in rounds[mode])
+    result["mask_share"] = statistics.median(r["mask_share"] for r in rounds["constrained"])
     last = rounds["constrained"][-1]
     result.update(batch=args.structured_batch, max_tokens=args.structured_tokens,
                   rounds=args.structured_rounds, constrained_valid=last["constrained_valid"],
                   constrained_total=last["constrained_total"])
-    print(f"\nconstrained / plain decode step: {1 + result['overhead_frac']:.3f} "
-          f"(masks during the forward), {1 + result['overhead_sync_frac']:.3f} (before "
-          f"sampling); mask work on the step's path: "
-          f"{100 * result['constrained_mask_share']:.2f}% / "
-          f"{100 * result['constrained_sync_mask_share']:.2f}% of step time; "
+    print(f"\nconstrained / plain decode step: {1 + result['overhead_frac']:.3f}; mask work: "
+          f"{100 * result['mask_share']:.2f}% of the constrained steps' time; "
           f"{last['constrained_valid']}/{last['constrained_total']} constrained outputs "
           f"complete and valid")
     return result

@@ -32,7 +32,7 @@ def test_a_tiny_structured_run_reports_every_mode(smollm2_tiny):
     with LLM(EngineConfig(model=str(smollm2_tiny), num_kv_blocks=64, max_model_len=512,
                           record_steps=True)) as llm:
         result = run_structured(llm, args)
-    for mode in ("plain", "constrained", "constrained_sync"):
+    for mode in ("plain", "constrained"):
         assert result[f"{mode}_step_ms"] > 0
     assert result["overhead_frac"] > -1 and result["constrained_total"] == 1
-    assert 0 < result["constrained_sync_mask_share"] < 1
+    assert 0 < result["mask_share"] < 1

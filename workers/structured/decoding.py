@@ -6,21 +6,20 @@ The engine asks, in order:
    request (`workers.async_engine`), the offline engine inside ``add_request``;
 2. ``grammars(params, n, resumed, compiled)`` at ``add_request``: one `RequestGrammar` per
    choice, each having replayed the resumed tokens;
-3. ``start_masks(grammars)`` once a step is scheduled, before the model runs: the bitmasks of the
-   rows being sampled are filled on a background thread while the forward pass runs (xgrammar
-   releases the GIL), and ``PendingMask.result()`` joins it before sampling;
+3. ``masks(grammars)`` after the model ran, before sampling: the bitmasks of the constrained
+   rows being sampled, filled on the engine thread (microseconds a row: filling them on another
+   thread during the forward pass costs more in hand-offs than it hides);
 4. ``accept(grammar, token)`` for every sampled token: ``STOP`` when the output is complete.
 
 Guarantees: a step with no constrained row does no mask work and imports nothing of xgrammar;
 an engine without constrained requests never imports it. The matchers live where sampling does
 (rank 0). Compile errors, and resumed tokens the grammar refuses, are ``ValueError``.
-Cost per step with constrained rows: one mask fill per constrained row (tens to hundreds of
-microseconds for a JSON schema over a 49k vocabulary) plus one masked write over those rows.
+Cost per step with constrained rows: one mask fill per constrained row (a few microseconds for a
+JSON schema over a 49k vocabulary, tens for an open regex) plus one masked write over those rows.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
@@ -36,16 +35,6 @@ if TYPE_CHECKING:
     import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
-
-
-class PendingMask:
-    """A step's masks being filled; ``result()`` waits for them."""
-
-    def __init__(self, future: "concurrent.futures.Future[TokenMask]") -> None:
-        self._future = future
-
-    def result(self) -> TokenMask:
-        return self._future.result()
 
 
 def check_structured(params: SamplingParams) -> None:
@@ -65,21 +54,17 @@ def check_structured(params: SamplingParams) -> None:
 class StructuredDecoding:
     """``tokenizer`` and ``vocab_size`` (the model's logits) are the compiler's;
     ``stop_token_ids`` (the model's EOS ids) end a complete output; bitmasks are kept for up to
-    ``max_rows`` rows. ``overlap_masks``: fill masks during the forward pass (True) or just
-    before sampling (False)."""
+    ``max_rows`` rows."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 max_rows: int, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 overlap_masks: bool = True) -> None:
+                 max_rows: int, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = tuple(stop_token_ids)
         self._max_rows = max_rows
         self._cache_bytes = cache_bytes
-        self.overlap_masks = overlap_masks
         self._cache: Optional[GrammarCache] = None
         self._bitmask: Optional[torch.Tensor] = None  # [max_rows, ceil(V / 32)] int32
-        self._filler: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     @property
     def cache(self) -> GrammarCache:
@@ -110,22 +95,12 @@ class StructuredDecoding:
             grammars.append(grammar)
         return grammars
 
-    def start_masks(self, grammars: Sequence[Optional[RequestGrammar]]
-                    ) -> Optional[PendingMask]:
-        """Start filling the masks of a step's sampled rows (``grammars[i]``: row i's, None when
+    def masks(self, grammars: Sequence[Optional[RequestGrammar]]) -> Optional[TokenMask]:
+        """The masks of a step's sampled rows (``grammars[i]``: row i's, None when
         unconstrained); None, at no cost, when no row is constrained."""
         if all(grammar is None for grammar in grammars):
             return None
-        bitmask = self._bitmask_rows(len(grammars))
-        if not self.overlap_masks:
-            done: "concurrent.futures.Future[TokenMask]" = concurrent.futures.Future()
-            done.set_result(fill_masks(grammars, bitmask, self.vocab_size))
-            return PendingMask(done)
-        if self._filler is None:
-            self._filler = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="tpserve-masks")
-        return PendingMask(self._filler.submit(fill_masks, list(grammars), bitmask,
-                                               self.vocab_size))
+        return fill_masks(grammars, self._bitmask_rows(len(grammars)), self.vocab_size)
 
     def _bitmask_rows(self, num_rows: int) -> torch.Tensor:
         """A bitmask of at least ``num_rows`` rows, reused from step to step."""
@@ -145,8 +120,3 @@ class StructuredDecoding:
                          "aborted", token_id, grammar.structured.kind.value)
             return FinishReason.ABORT
         return FinishReason.STOP if grammar.is_terminated else None
-
-    def close(self) -> None:
-        if self._filler is not None:
-            self._filler.shutdown(wait=True)
-            self._filler = None
