@@ -135,11 +135,13 @@ def run_mode(llm: LLM, mode: str, texts: Sequence[str], max_tokens: int) -> Dict
     if not full:
         raise RuntimeError(f"{mode}: no decode step sampled the whole batch")
     finished = [o for o in outs[1::2]] if mode != "plain" else []
-    valid = sum(_is_valid(o.text) for o in finished if o.finish_reason == "stop")
+    stopped = [o for o in finished if o.finish_reason == "stop"]
+    valid = sum(_is_valid(o.text) for o in stopped)
     return {"step_ms": 1000 * statistics.mean(full), "num_steps": len(full), "wall_s": wall_s,
             "mask_share": mask_s[0] / sum(r.duration_s for r in steps),
             "tokens": sum(len(o.output_token_ids) for o in outs),
-            "constrained_valid": valid, "constrained_total": len(finished)}
+            "constrained_valid": valid, "constrained_stopped": len(stopped),
+            "constrained_total": len(finished)}
 
 
 def _is_valid(text: str) -> bool:
@@ -170,9 +172,10 @@ def run_structured(llm: LLM, args: argparse.Namespace) -> Dict[str, object]:
     last = rounds["constrained"][-1]
     result.update(batch=args.structured_batch, max_tokens=args.structured_tokens,
                   rounds=args.structured_rounds, constrained_valid=last["constrained_valid"],
+                  constrained_stopped=last["constrained_stopped"],
                   constrained_total=last["constrained_total"])
     print(f"\nconstrained / plain decode step: {1 + result['overhead_frac']:.3f}; mask work: "
           f"{100 * result['mask_share']:.2f}% of the constrained steps' time; "
-          f"{last['constrained_valid']}/{last['constrained_total']} constrained outputs "
-          f"complete and valid")
+          f"of {last['constrained_total']} constrained outputs {last['constrained_stopped']} "
+          f"complete (the others reached max_tokens), {last['constrained_valid']} of them valid")
     return result
