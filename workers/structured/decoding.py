@@ -21,6 +21,7 @@ JSON schema over a 49k vocabulary, tens for an open regex) plus one masked write
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
 import torch
@@ -64,14 +65,16 @@ class StructuredDecoding:
         self._max_rows = max_rows
         self._cache_bytes = cache_bytes
         self._cache: Optional[GrammarCache] = None
+        self._cache_lock = threading.Lock()  # the serving engine compiles on several threads
         self._bitmask: Optional[torch.Tensor] = None  # [max_rows, ceil(V / 32)] int32
 
     @property
     def cache(self) -> GrammarCache:
-        if self._cache is None:
-            self._cache = GrammarCache(self._tokenizer, self.vocab_size, self._stop_token_ids,
-                                       self._cache_bytes)
-        return self._cache
+        with self._cache_lock:
+            if self._cache is None:
+                self._cache = GrammarCache(self._tokenizer, self.vocab_size,
+                                           self._stop_token_ids, self._cache_bytes)
+            return self._cache
 
     def compile(self, structured: StructuredOutput) -> "xgr.CompiledGrammar":
         """Thread-safe; ``ValueError`` when the spec does not compile."""
