@@ -7,8 +7,8 @@ The engine asks, in order:
 2. ``grammars(params, n, resumed, compiled)`` at ``add_request``: one `RequestGrammar` per
    choice, each having replayed the resumed tokens;
 3. ``masks(grammars)`` after the model ran, before sampling: the bitmasks of the constrained
-   rows being sampled, filled on the engine thread (microseconds a row: filling them on another
-   thread during the forward pass costs more in hand-offs than it hides);
+   rows being sampled, filled on the engine thread (a row's fill costs less than handing it to
+   another thread to overlap with the forward pass);
 4. ``accept(grammar, token)`` for every sampled token: ``STOP`` when the output is complete.
 
 Guarantees: a step with no constrained row does no mask work and imports nothing of xgrammar;

@@ -21,8 +21,7 @@ if TYPE_CHECKING:
 
 
 class RequestGrammar:
-    """One choice's matcher. Not thread-safe: the engine fills its mask on at most one thread at
-    a time and accepts tokens only after that fill has finished."""
+    """One choice's matcher. Not thread-safe: only the engine thread touches it."""
 
     def __init__(self, compiled: "xgr.CompiledGrammar", structured: StructuredOutput) -> None:
         import xgrammar as xgr
