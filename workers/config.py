@@ -87,6 +87,10 @@ class EngineConfig:
     kv_spill_gbps: Optional[float] = option(
         None, "bound on write-through spill bandwidth per rank in GB/s (default: none); spills "
               "queue behind it and are dropped if evicted first", group=TIERS)
+    # A served request's grammar (structured output) compiles off the engine thread within this.
+    grammar_compile_timeout_s: float = option(
+        10.0, "how long a structured-output grammar (JSON schema, regex, EBNF) may take to "
+              "compile before its request is refused (default 10)")
     # Keep a StepRecord per step (benchmarks): about 0.7 GB an hour in a busy server, so off.
     record_steps: bool = False
 
@@ -119,6 +123,9 @@ class EngineConfig:
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if not self.step_timeout_s > 0:
             raise ValueError(f"--step-timeout-s must be positive, got {self.step_timeout_s}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError("--grammar-compile-timeout-s must be positive, "
+                             f"got {self.grammar_compile_timeout_s}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError("--attention-backend must be auto, torch or triton, "
                              f"got {self.attention_backend!r}")

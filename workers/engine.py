@@ -12,24 +12,21 @@ import itertools
 import logging
 import time
 import uuid
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from kv.attention.backend import resolve_attention_backend
 from kv.kv_manager import KVUsage
 from kv.tiers.ops import TierOp, TierOpResults
 from parallel.collective_errors import sum_counts
 from parallel.rendezvous import RendezvousSocket
-from parallel.tp_group import TPGroupConfig
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_outputs import RequestOutput, StepRecord
-from workers.engine_sizing import (block_spec, check_model, context_length, fit_context_to_pool,
-                                   size_pool)
+from workers.engine_sizing import check_model, context_length, fit_context_to_pool
 from workers.multiproc import RANK_STOP_S, RankLauncher, RankProcesses
-from workers.rank import (RankConfig, RankReport, build_rank, execute_plan, rank_report,
-                          resolve_dtype)
+from workers.rank import RankReport, build_rank, execute_plan, rank_report
+from workers.rank_configs import rank_configs
 from workers.request import FinishReason, Request, RequestId
 from workers.sampler import SampledToken, sample
 from workers.sampling_params import SamplingParams
@@ -37,9 +34,12 @@ from workers.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from workers.keepalive import PlanKeepalive
 from workers.request_intake import check_resume, check_token_ids, choice_generator, tokenize
 from workers.step_plan import StepPlan, broadcast_plan
-from workers.tier_setup import (RankTierConfig, build_kv_manager, claim_engine_dir,
-                                model_identity, save_token_index, tier_sizes, tier_stats)
+from workers.structured.decoding import StructuredDecoding
+from workers.tier_setup import build_kv_manager, save_token_index, tier_stats
 from workers.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -50,17 +50,16 @@ class LLMEngine:
         """``launcher`` starts ranks 1..N-1 from their configs (local processes by default; the
         serving layer passes Ray actors); ``init_host`` is the address rank 0 listens on."""
         self.config = config
-        self._disk_lock = None  # this engine's claim on a directory under --disk-kv-dir
         self.model_dir, self.model_config = check_model(config)  # before any rank starts
         self.tokenizer = load_tokenizer(self.model_dir)
-        # Fitted to the KV pool by _rank_configs.
-        self.max_model_len = context_length(config, self.model_config)
         # Rank 0 listens from now on: the port cannot be taken while the other ranks start.
         self._rendezvous = RendezvousSocket(init_host) if config.tp_size > 1 else None
         try:
-            rank_configs = self._rank_configs()
-            self._children = launcher(rank_configs[1:]) if config.tp_size > 1 else None
-            self.rank = build_rank(rank_configs[0], check_peers=(
+            sized = rank_configs(config, self.model_dir, self.model_config,
+                                 context_length(config, self.model_config), self._rendezvous)
+            self.max_model_len, self._disk_lock = sized.max_model_len, sized.disk_lock
+            self._children = launcher(sized.ranks[1:]) if config.tp_size > 1 else None
+            self.rank = build_rank(sized.ranks[0], check_peers=(
                 self._children.check if self._children is not None else None))
         finally:
             if self._rendezvous is not None:
@@ -70,7 +69,7 @@ class LLMEngine:
         self.num_kv_blocks = self.rank.runner.kv_cache.spec.num_blocks  # as the ranks sized it
         if config.gpu_memory_utilization is not None:
             self._fit_context_to_sized_pool()
-        self._tier_config = rank_configs[0].tiers
+        self._tier_config = sized.ranks[0].tiers
         kv = build_kv_manager(config, self.num_kv_blocks, self._tier_config,
                               self.rank.tiers.recovered_disk_tags if self.rank.tiers else {})
         self._last_snapshot = time.monotonic()
@@ -83,40 +82,16 @@ class LLMEngine:
         self._detok: Dict[RequestId, IncrementalDetokenizer] = {}
         self._aborted: List[Request] = []
         self._seq_ids = itertools.count()
-        self._device = torch.device(rank_configs[0].device)
+        self._device = torch.device(sized.ranks[0].device)
         self._generator = torch.Generator(self._device).manual_seed(config.seed)
+        self.structured = StructuredDecoding(self.tokenizer, self.model_config.vocab_size,
+                                             self.model_config.eos_token_ids, config.max_num_seqs)
         self.step_records: List[StepRecord] = []  # only with config.record_steps
         self._is_shut_down = False
         # Ranks 1..N-1 of an idle group must hear from rank 0 within the step timeout.
         self._keepalive = None if self._children is None else PlanKeepalive(
             self._send_keepalive,
             lambda: not self._has_outstanding_transfers(), config.step_timeout_s / 3)
-
-    def _rank_configs(self) -> List[RankConfig]:
-        cfg, model = self.config, self.model_config
-        use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-        device = torch.device("cuda" if use_cuda else "cpu")
-        dtype = resolve_dtype(cfg.dtype, device, model.torch_dtype)
-        attention = resolve_attention_backend(cfg.attention_backend, device)
-        num_blocks, self.max_model_len = size_pool(cfg, model, dtype, self.max_model_len,
-                                                   use_cuda)
-        init = self._rendezvous.init_method if self._rendezvous is not None else None
-        threads = None if use_cuda else max(1, (torch.get_num_threads()) // cfg.tp_size)
-        dtype_name = str(dtype).replace("torch.", "")
-        tiers = self._rank_tier_config(dtype, dtype_name)
-        return [
-            RankConfig(str(self.model_dir),
-                       TPGroupConfig(rank, cfg.tp_size, init, timeout_s=cfg.step_timeout_s,
-                                     listen_fd=(self._rendezvous.fileno()
-                                                if rank == 0 and self._rendezvous else None)),
-                       f"cuda:{rank}" if use_cuda else "cpu", dtype_name,
-                       num_blocks, cfg.block_size, self.max_model_len, threads, tiers,
-                       attention_backend=attention, cuda_graphs=not cfg.enforce_eager,
-                       max_num_seqs=cfg.max_num_seqs,
-                       gpu_memory_utilization=cfg.gpu_memory_utilization,
-                       max_num_batched_tokens=cfg.max_num_batched_tokens)
-            for rank in range(cfg.tp_size)
-        ]
 
     def _fit_context_to_sized_pool(self) -> None:
         """The context, fitted to the pool the ranks sized from their free memory; the ranks
@@ -128,25 +103,12 @@ class LLMEngine:
             self._stop_ranks()
             raise
 
-    def _rank_tier_config(self, dtype: torch.dtype, dtype_name: str) -> Optional[RankTierConfig]:
-        cfg = self.config
-        if not cfg.has_host_tier:
-            return None
-        block_bytes = block_spec(cfg, self.model_config, dtype).bytes_per_block
-        num_host, num_disk = tier_sizes(cfg, block_bytes)
-        identity = model_identity(self.model_dir, dtype_name, cfg.block_size, cfg.tp_size)
-        engine_dirs: Tuple[str, ...] = ()
-        if cfg.disk_kv_dir is not None:  # the same engine<i> in every directory, all locked
-            paths, self._disk_lock = claim_engine_dir(cfg.disk_kv_dirs)
-            engine_dirs = tuple(str(path) for path in paths)
-        return RankTierConfig(num_host, engine_dirs[0] if engine_dirs else None, num_disk,
-                              identity, engine_dirs[1:], block_bytes)
-
     # ----- requests -----
 
     def add_request(self, prompt: Union[str, Sequence[int]], params: SamplingParams,
                     request_id: Optional[str] = None,
-                    resume_output_ids: Sequence[int] = ()) -> RequestId:
+                    resume_output_ids: Sequence[int] = (),
+                    grammar: Optional["xgr.CompiledGrammar"] = None) -> RequestId:
         """Queue a request (text, or token ids); raises ``ValueError`` on bad input.
 
         ``resume_output_ids``: the tokens another engine already produced for this request (a
@@ -154,7 +116,10 @@ class LLMEngine:
         penalties, stop strings across the cut) and their text as already emitted: the outputs
         continue where that engine stopped. A greedy request continues exactly; a seeded one
         draws from a seed derived from its seed and the number of resumed tokens (reproducible
-        for the same cut, not the draws the uninterrupted run would have made)."""
+        for the same cut, not the draws the uninterrupted run would have made).
+
+        ``grammar``: ``params.structured`` compiled ahead by ``self.structured.compile`` (the
+        serving engine compiles off its engine thread); None: compiled here when needed."""
         token_ids = tokenize(prompt, self.tokenizer, self.model_config.vocab_size, self.model_dir)
         vocab = self.model_config.vocab_size
         resume = check_resume(list(resume_output_ids), params, vocab)
@@ -166,6 +131,7 @@ class LLMEngine:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         check_token_ids(params, vocab)
+        grammars = self.structured.grammars(params, params.n, resume, grammar)
         choices: List[Request] = []
         for index in range(params.n):
             child_id = rid if params.n == 1 else RequestId(f"{rid}#{index}")
@@ -175,6 +141,7 @@ class LLMEngine:
                               self.model_config.eos_token_ids, parent_id=rid, index=index,
                               prefill_leader=choices[0] if choices else None)
             request.resume(resume)
+            request.grammar = grammars[index]
             choices.append(request)
             if self.tokenizer is not None:
                 detok = self._detok[child_id] = IncrementalDetokenizer(
@@ -240,7 +207,8 @@ class LLMEngine:
             tokens = sample(logits, [r.params for r in sampled_requests],
                             [r.generator for r in sampled_requests],
                             [(r.prompt_token_ids, r.output_token_ids) for r in sampled_requests],
-                            self.model_config.eos_token_ids)
+                            self.model_config.eos_token_ids,
+                            self.structured.masks([r.grammar for r in sampled_requests]))
             outputs.extend(self._append(r, t) for r, t in zip(sampled_requests, tokens))
         if scheduled.plan.seqs:
             self._record(scheduled, time.perf_counter() - started)
@@ -303,6 +271,8 @@ class LLMEngine:
     def _append(self, request: Request, token: SampledToken) -> RequestOutput:
         request.append_token(token)
         reason = request.stop_reason_for_last_token()
+        if request.grammar is not None:  # complete (STOP), or refused the token (ABORT)
+            reason = self.structured.accept(request.grammar, token.token_id) or reason
         delta, stopped_by_string = "", False
         detok = self._detok.get(request.request_id)
         if detok is not None:
@@ -330,6 +300,7 @@ class LLMEngine:
     def _output(self, request: Request, new_ids: List[int], delta: str) -> RequestOutput:
         detok = self._detok.get(request.request_id)
         if request.is_finished:
+            request.grammar = None
             self._detok.pop(request.request_id, None)
             choices = self._requests.get(request.parent_id, ())
             if all(r.is_finished for r in choices):

@@ -5,13 +5,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import List, NewType, Optional
+from typing import TYPE_CHECKING, List, NewType, Optional
 
 import torch
 
 from kv.prefix_hash import BlockHash
 from workers.sampler import SampledToken
 from workers.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from workers.structured.matcher import RequestGrammar
 
 RequestId = NewType("RequestId", str)
 
@@ -65,6 +68,8 @@ class Request:
     parent_id: Optional[RequestId] = None  # the id the caller knows (default: request_id)
     index: int = 0  # which choice
     prefill_leader: Optional["Request"] = None
+    # Its place in its grammar (``params.structured``), on the sampling rank; None when done.
+    grammar: Optional["RequestGrammar"] = None
 
     @property
     def waits_for_leader(self) -> bool:

@@ -1,7 +1,7 @@
 """Turns rank 0's logits into next tokens for the whole step at once.
 
 1. Logit processing, for the rows that ask for it (``logits_processing``): bias, penalties,
-   ``min_tokens``.
+   ``min_tokens``; then the grammar masks of constrained rows (`workers.structured`).
 2. Greedy rows take the argmax; sampled rows are scaled by their temperature, filtered by
    top-k / top-p / min-p (one sort for the rows that need it) and drawn by an exponential race:
    ``argmax(p / q)`` with ``q ~ Exp(1)`` drawn from the row's own generator, which picks token i
@@ -22,6 +22,7 @@ import torch
 from kv.host_staging import tensor_on
 from workers.logits_processing import History, process_logits
 from workers.sampling_params import SamplingParams
+from workers.structured.matcher import TokenMask
 
 
 @dataclass(frozen=True)
@@ -34,16 +35,23 @@ class SampledToken:
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator],
            histories: Optional[Sequence[History]] = None,
-           eos_token_ids: Sequence[int] = ()) -> List[SampledToken]:
+           eos_token_ids: Sequence[int] = (),
+           mask: Optional[TokenMask] = None) -> List[SampledToken]:
     """One token per row of ``logits`` ``[N, V]``, row i drawn with ``generators[i]`` (on the
     logits' device). ``histories[i]`` (prompt ids, output ids) is needed by rows with penalties
-    or ``min_tokens``; ``eos_token_ids`` are what ``min_tokens`` holds back."""
+    or ``min_tokens``; ``eos_token_ids`` are what ``min_tokens`` holds back. ``mask``: the
+    tokens each constrained row may take, applied after logit processing and before greedy or
+    random choice (logprobs stay those of the raw logits)."""
     raw = logits.float()
     logits = raw
     if any(p.processes_logits for p in params):
         if histories is None:
             raise ValueError("penalties and min_tokens need each row's token history")
         logits = process_logits(raw.clone(), params, histories, eos_token_ids)
+    if mask is not None:
+        if logits is raw and any(p.logprobs is not None for p in params):
+            logits = raw.clone()
+        mask.apply(logits)
     tokens = logits.argmax(dim=-1)  # [N]
     drawn_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if drawn_rows:
