@@ -66,6 +66,7 @@ from cluster.api.openai_requests import (
 )
 from cluster.api.openapi_schema import openapi_document
 from cluster.api.prompt_pool import PromptPool
+from cluster.api.structured_requests import Constraint
 from cluster.api.tools.formats import AUTO, server_format
 from cluster.api.tools.plan import plan_tools
 from cluster.api.request_limits import (
@@ -271,6 +272,8 @@ class OpenAIIngress:
         """Apply the chat template, check the request, and send it to a TP group."""
         tools = plan_tools(body, self._tool_format, self.prompts.tokenizer)
         await self._prompt_pool.check_constraint(body.constraint)
+        if tools is not None and tools.structured is not None:  # required or named
+            await self._prompt_pool.check_constraint(Constraint("tools", tools.structured))
         prompt_ids = await self._prompt_pool.chat_prompt_ids(body)
         max_tokens = resolve_max_tokens(body.requested_max_tokens, len(prompt_ids),
                                         self.max_model_len, param=body.max_tokens_param,

@@ -188,6 +188,15 @@ def test_an_unknown_named_tool_is_a_400(client):
     assert info.value.body["param"] == "tool_choice" and "get_time" in info.value.message
 
 
+def test_a_tool_schema_that_cannot_compile_is_a_400_naming_tools(client):
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "(unclosed"}}}}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(messages=QUESTION, tools=bad, tool_choice="required",
+                                       **GREEDY)
+    assert info.value.body["param"] == "tools", info.value.body  # refused before routing
+
+
 def test_grpc_tool_calls_equal_the_http_apis(client, grpc_port):
     grpc = pytest.importorskip("grpc")
     from cluster.proto.tpserve.v1 import tpserve_pb2 as pb
