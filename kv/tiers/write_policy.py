@@ -99,6 +99,11 @@ class SpillPacer:
             self.num_dropped += 1
 
     @property
+    def item_bytes(self) -> int:
+        """What one item costs the bucket."""
+        return self._item_bytes
+
+    @property
     def is_bounded(self) -> bool:
         """Whether a rate bounds the spills (else ``take`` returns every queued item)."""
         return self._rate is not None
