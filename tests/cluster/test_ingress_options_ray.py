@@ -138,15 +138,17 @@ def test_tokenize_detokenize_version(server, tokenizer):
     assert status == 200 and json.loads(body)["version"] == "0.1.0"
 
 
-def test_unsupported_chat_parameters_get_400_naming_them(client):
+def test_bad_chat_parameters_get_400_naming_them(client):
+    """Tools on a model without a tool-call format, a tool choice without tools, a regex that
+    cannot build, a history call whose arguments are not a JSON object."""
     for kwargs, param in [
             (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
             (dict(tool_choice="required"), "tool_choice"),
             (dict(extra_body={"guided_regex": "[a-"}), "guided_regex"),  # cannot build
             (dict(messages=[{"role": "assistant", "content": None, "tool_calls": [
                 {"id": "1", "type": "function",
-                 "function": {"name": "f", "arguments": "{}"}}]}]),
-             "messages[0].tool_calls")]:
+                 "function": {"name": "f", "arguments": "[1]"}}]}]),
+             "messages[0].tool_calls[0].function.arguments")]:
         request = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                        max_tokens=2) | kwargs
         with pytest.raises(openai.BadRequestError) as info:
