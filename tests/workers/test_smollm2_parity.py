@@ -37,7 +37,8 @@ def smollm2(default_model_cache):
 @pytest.mark.parametrize("tp", [1, pytest.param(3, marks=pytest.mark.multiproc)])
 def test_smollm2_greedy_matches_transformers(smollm2, tp):
     model_dir, token_ids, expected = smollm2
-    config = EngineConfig(model=str(model_dir), tp_size=tp, num_kv_blocks=128)
+    config = EngineConfig(model=str(model_dir), tp_size=tp, num_kv_blocks=128,
+                          dtype="float32")
     with LLM(config) as llm:
         outs = llm.generate(token_ids, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
     assert [o.output_token_ids for o in outs] == expected
