@@ -126,9 +126,9 @@ def _cpu_dtype(name: str, bf16_supported: Optional[bool]) -> torch.dtype:
     """The CPU's dtype for ``--dtype name``; ``bf16_supported`` None: probed (and logged) once."""
     if bf16_supported is None:
         support = cpu_bf16_support()
-        bf16_supported, path = support.is_fast, support.path
+        bf16_supported, where = support.is_fast, support.path
     else:
-        path = "given" if bf16_supported else None
+        where = "as the caller says"
     dtype = (torch.bfloat16 if bf16_supported else torch.float32) if name == "auto" \
         else _dtype_named(name)
     if dtype is torch.bfloat16 and not bf16_supported:
@@ -136,8 +136,9 @@ def _cpu_dtype(name: str, bf16_supported: Optional[bool]) -> torch.dtype:
                        "so bf16 is converted to fp32 on every op and runs slower than float32 "
                        "(--dtype auto picks float32 here)")
     elif dtype is torch.bfloat16:
-        logger.info("dtype bfloat16 on CPU (%s): linears through oneDNN on %s",
-                    "auto" if name == "auto" else "asked", path)
+        logger.info("dtype bfloat16 on CPU (%s; bf16 instructions: %s): linears on oneDNN's bf16 "
+                    "kernels, prefills on torch's flash kernel, decodes on the C kernel where it "
+                    "loads", "auto" if name == "auto" else "asked", where)
     return dtype
 
 
