@@ -4,6 +4,7 @@ replaces (gather K/V into padded dense tensors, then SDPA, in buckets of 16 deco
 step's decodes over every layer's cache, in this process.
 
     PYTHONPATH=$PWD .venv/bin/python -m scripts.bench_cpu_decode [--seqs 32] [--layers 30]
+        [--dtype bfloat16]
 
 The step: ``--seqs`` sequences of ``--min-keys``..``--max-keys`` cached tokens (the decode-heavy
 workload of ``bench_engine.py`` holds 32 of 16-176), in blocks of ``--block-size`` slots scattered
@@ -47,6 +48,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=20, help="timed passes over the layers")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the caches' and queries' dtype")
     args = p.parse_args(argv)
     for name in ("seqs", "min_keys", "layers", "heads", "kv_heads", "head_dim", "block_size",
                  "reps"):
@@ -78,11 +81,14 @@ class Step:
                                                        size).buckets
                         for size in (None, DECODE_BUCKET_SIZE)}
         shape = (num_blocks * args.block_size, args.kv_heads, args.head_dim)
-        self.caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(args.layers)]
+        dtype = getattr(torch, args.dtype)
+        self.caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+                       for _ in range(args.layers)]
         self.query = torch.randn(args.seqs, args.kv_heads, args.heads // args.kv_heads,
-                                 args.head_dim)
+                                 args.head_dim).to(dtype)
         self.scale = args.head_dim ** -0.5
-        self.kv_bytes = sum(n + 1 for n in lengths) * 2 * args.kv_heads * args.head_dim * 4
+        self.kv_bytes = (sum(n + 1 for n in lengths) * 2 * args.kv_heads * args.head_dim
+                         * dtype.itemsize)
 
     def attend(self, path: Callable, bucket_size: Optional[int], layer: int) -> torch.Tensor:
         """Every decode's output, ``[B, Hkv, G, D]`` in sequence order."""
@@ -120,8 +126,9 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
                          "above); nothing to compare")
     step = Step(args)
     paths = ((kernel.attend, None), (reference_attend, DECODE_BUCKET_SIZE))
-    error = (step.attend(*paths[0], 0) - step.attend(*paths[1], 0)).abs().max().item()
-    figures: Dict[str, object] = {"seqs": args.seqs, "kv_bytes_per_layer": step.kv_bytes,
+    error = (step.attend(*paths[0], 0).float()
+             - step.attend(*paths[1], 0).float()).abs().max().item()
+    figures: Dict[str, object] = {"seqs": args.seqs, "dtype": args.dtype, "kv_bytes_per_layer": step.kv_bytes,
                                   "max_abs_error": error, "torch_threads": torch.get_num_threads()}
     print(f"{args.seqs} decodes, {step.kv_bytes / 1e6:.2f} MB of K/V a layer, {args.layers} "
           f"layers; max abs difference kernel vs PyTorch {error:.1e}")

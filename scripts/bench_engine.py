@@ -10,8 +10,9 @@ prefixes, so the prefix cache never hits):
   shared 2-core machine) short prompts (16-48 tokens) with 64-128 new tokens each.
 
 Every system generates exactly the requested number of tokens per request (tpserve with
-``ignore_eos``, `transformers` with ``min_new_tokens`` or EOS disabled), greedy, in the model's
-fp32 weights, in one process, one after another:
+``ignore_eos``, `transformers` with ``min_new_tokens`` or EOS disabled), greedy, in one process,
+one after another; `transformers` in fp32, tpserve in ``--dtype`` (default ``auto``: bf16 on a CPU
+with AMX or AVX-512 BF16, else fp32; the roofline's matmul rate ``R`` is fp32's either way):
 
 * tpserve: every request submitted at once, then the engine stepped until all finish.
 * `transformers` static batching: ``generate`` on left-padded batches of ``--hf-batch-size``
@@ -144,6 +145,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--max-output", type=int, default=None, help="cap every output length")
     p.add_argument("--model", default="default", help="checkpoint directory, or 'default'")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of tpserve")
+    p.add_argument("--dtype", default="auto", help="tpserve's dtype: auto, float32 or bfloat16")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--hf-batch-size", type=int, default=16, help="transformers generate batch")
     p.add_argument("--skip-hf", action="store_true", help="run tpserve and the limit only")
@@ -169,9 +171,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def build_engine(args: argparse.Namespace) -> LLM:
     try:
         llm = LLM(EngineConfig(model=args.model, tp_size=args.tp, block_size=args.block_size,
-                               record_steps=True))
+                               dtype=args.dtype, record_steps=True))
     except (OSError, ValueError) as exc:
-        raise BenchInputError(f"--model {args.model} --tp {args.tp}: {exc}") from None
+        raise BenchInputError(f"--model {args.model} --tp {args.tp} --dtype {args.dtype}: "
+                              f"{exc}") from None
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     return llm
 
@@ -211,7 +214,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     torch.set_num_threads(threads)
     on_kernel = cpu_decode.decode_kernel() is not None  # what this process's ranks run
     print(f"CPU decodes: {'the C kernel' if on_kernel else 'the PyTorch path'} "
-          "(kv/attention/cpu_decode.py)")
+          f"(kv/attention/cpu_decode.py); tpserve in {_resolved_dtype(llm)}")
     try:
         engine = llm.engine
         first = measure_machine(engine.model_config, "before")
@@ -230,6 +233,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     if args.steps_out is not None:
         write_steps(args.steps_out, reports)
     return {"model": Path(engine.model_dir).name, "tp": args.tp,
+            "dtype": str(_resolved_dtype(llm)).replace("torch.", ""),
             "num_requests": args.num_requests, "decode_num_requests": args.decode_requests,
             "prompt_scale": args.prompt_scale, "output_scale": args.output_scale,
             "hf_batch_size": args.hf_batch_size, **summary(reports[0], ""),
@@ -240,13 +244,17 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
 
 
 def _bytes_per_param(llm: LLM) -> int:
+    return torch.empty((), dtype=_resolved_dtype(llm)).element_size()
+
+
+def _resolved_dtype(llm: LLM) -> torch.dtype:
+    """The dtype tpserve's ranks compute in (``--dtype`` resolved as the engine resolves it)."""
     from workers.rank import resolve_dtype
 
     config, model = llm.engine.config, llm.engine.model_config
     device = torch.device("cuda" if torch.cuda.is_available() and config.device != "cpu"
                           else "cpu")
-    dtype = resolve_dtype(config.dtype, device, model.torch_dtype)
-    return torch.empty((), dtype=dtype).element_size()
+    return resolve_dtype(config.dtype, device, model.torch_dtype)
 
 
 def _warm_hf(model_dir: Path):

@@ -98,13 +98,14 @@ def build_default_tokenizer_checkpoint(out_dir: Path, seed: int = 0, **overrides
     return Path(out_dir)
 
 
-def hf_greedy(model_dir: Path, prompts, max_new_tokens: int, **generate_kwargs):
-    """``transformers`` greedy generate, one prompt at a time (no padding), new tokens only;
-    ``generate_kwargs`` add its logits processors (``repetition_penalty``, ...)."""
+def hf_greedy(model_dir: Path, prompts, max_new_tokens: int, dtype=torch.float32,
+              **generate_kwargs):
+    """``transformers`` greedy generate in ``dtype``, one prompt at a time (no padding), new
+    tokens only; ``generate_kwargs`` add its logits processors (``repetition_penalty``, ...)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32).eval()
+        str(model_dir), dtype=dtype).eval()
     outs = []
     for ids in prompts:
         with torch.no_grad():

@@ -37,8 +37,9 @@ class EngineConfig:
     max_num_seqs: int = option(128, "requests per step")
     # None: the model's max_position_embeddings
     max_model_len: Optional[int] = option(None, "context length cap")
-    # auto: fp32 on CPU, the checkpoint's dtype on CUDA
-    dtype: str = option("auto", "auto, float32, bfloat16 or float16")
+    # auto: workers.rank.resolve_dtype
+    dtype: str = option("auto", "auto, float32, bfloat16 or float16; auto: bfloat16 on a CPU with "
+                                "AMX or AVX-512 BF16, else float32; on CUDA the checkpoint's")
     device: str = option("auto", "auto, cpu or cuda")  # auto: CUDA when available, else CPU
     seed: int = 0  # for requests without a seed of their own
     attention_backend: str = option(

@@ -20,6 +20,7 @@ from kv.attention.backend import make_attention_backend
 from kv.kv_cache import KVCache, KVCacheSpec
 from kv.tiers.ops import TierOpResults
 from kv.tiers.transfer_progress import TransferError
+from parallel.cpu_capability import cpu_bf16_support
 from parallel.onednn_linear import pack_linear_weights
 from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
 from workers.cpu_malloc import keep_freed_memory
@@ -88,17 +89,16 @@ def rank_report(rank: Rank) -> RankReport:
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str,
                   bf16_supported: Optional[bool] = None) -> torch.dtype:
-    """``auto``: fp32 on CPU (no fast bf16 there), the checkpoint's dtype on CUDA, but float16
-    for a bfloat16 checkpoint on a GPU without bfloat16 (before compute capability 8.0: T4,
-    V100), as vLLM does; bfloat16 asked for there is refused by name. ``bf16_supported``: the
-    device's answer (None: asked of torch)."""
+    """``auto``: on CPU bfloat16 where the CPU has bf16 instructions (AMX or AVX-512 BF16,
+    `parallel.cpu_capability`), else float32, whatever the checkpoint's dtype; on CUDA the
+    checkpoint's dtype, but float16 for a bfloat16 checkpoint on a GPU without bfloat16 (before
+    compute capability 8.0: T4, V100), as vLLM does. bfloat16 asked for is refused by name on
+    such a GPU, and runs with a warning (slower than float32) on a CPU without bf16
+    instructions. ``bf16_supported``: the device's answer (None: asked of the CPU or torch)."""
     auto = name == "auto"
-    if auto:
-        name = "float32" if device.type == "cpu" else checkpoint_dtype
-    dtype = getattr(torch, name.replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype {name!r} is not a torch floating dtype "
-                         f"(float32, bfloat16, float16 or auto)")
+    if device.type == "cpu":
+        return _cpu_dtype(name, bf16_supported)
+    dtype = _dtype_named(checkpoint_dtype if auto else name)
     if dtype is torch.bfloat16 and device.type == "cuda":
         if bf16_supported is None:
             try:
@@ -111,6 +111,34 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str,
                                  "8.0 or later needed); use float16 or auto")
             logger.warning("the checkpoint is bfloat16 and this GPU has none: running float16")
             return torch.float16
+    return dtype
+
+
+def _dtype_named(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype {name!r} is not a torch floating dtype "
+                         f"(float32, bfloat16, float16 or auto)")
+    return dtype
+
+
+def _cpu_dtype(name: str, bf16_supported: Optional[bool]) -> torch.dtype:
+    """The CPU's dtype for ``--dtype name``; ``bf16_supported`` None: probed (and logged) once."""
+    if bf16_supported is None:
+        support = cpu_bf16_support()
+        bf16_supported, where = support.is_fast, support.path
+    else:
+        where = "as the caller says"
+    dtype = (torch.bfloat16 if bf16_supported else torch.float32) if name == "auto" \
+        else _dtype_named(name)
+    if dtype is torch.bfloat16 and not bf16_supported:
+        logger.warning("dtype bfloat16: this CPU has no bf16 instructions (AMX or AVX-512 BF16), "
+                       "so bf16 is converted to fp32 on every op and runs slower than float32 "
+                       "(--dtype auto picks float32 here)")
+    elif dtype is torch.bfloat16:
+        logger.info("dtype bfloat16 on CPU (%s; bf16 instructions: %s): linears on oneDNN's bf16 "
+                    "kernels, prefills on torch's flash kernel, decodes on the C kernel where it "
+                    "loads", "auto" if name == "auto" else "asked", where)
     return dtype
 
 

@@ -6,10 +6,12 @@ bucket may see into padded dense tensors, then calls SDPA, whose CPU kernel copi
 K/V once more; the kernel reads each slot's key and value rows once, where they lie, for every
 query head (the step times: docs/benchmarks/cpu-decode.md).
 
-When it runs: the ``torch`` attention backend's decode-only buckets, on CPU, with fp32 queries and
-caches laid out ``[slots, Hkv, D]`` contiguously. Anything else (CUDA, bf16, prefills) takes the
-PyTorch path. The results are fp32 sums in another order than SDPA's: within 1e-6 of it on
-unit-scale inputs, not bitwise equal.
+When it runs: the ``torch`` attention backend's decode-only buckets, on CPU, with fp32 or bf16
+queries over caches of the same dtype laid out ``[slots, Hkv, D]`` contiguously. Anything else
+(CUDA, fp16, prefills) takes the PyTorch path. bf16 caches are read as bf16 (half the bytes of
+fp32) and widened to fp32 tile by tile; queries, scores, softmax and sums are fp32 in both, and a
+bf16 query's output is rounded to bf16 once at the end. The results are fp32 sums in another
+order than SDPA's: within 1e-6 of it on unit-scale fp32 inputs, not bitwise equal.
 
 Building: ``setup.py`` compiles it into ``kv/attention/libpaged_decode.so`` (``-O3 -fopenmp
 -ffast-math``, ``-march=x86-64-v3`` unless ``TPSERVE_MARCH`` says otherwise), in the wheel and
@@ -58,16 +60,20 @@ class DecodeKernel:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fn = ctypes.CDLL(str(path)).tpserve_paged_decode_f32
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6
-                             + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
+        library = ctypes.CDLL(str(path))
+        self._fns = {torch.float32: library.tpserve_paged_decode_f32,
+                     torch.bfloat16: library.tpserve_paged_decode_bf16}
+        for fn in self._fns.values():
+            fn.restype = ctypes.c_int
+            fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6
+                           + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
 
     def accepts(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        """True for fp32 CPU queries over contiguous fp32 CPU caches ``[slots, Hkv, D]``."""
-        return (query.device.type == "cpu" and query.dtype == torch.float32
+        """True for fp32 or bf16 CPU queries over contiguous CPU caches ``[slots, Hkv, D]`` of
+        the query's dtype."""
+        return (query.device.type == "cpu" and query.dtype in self._fns
                 and query.shape[1] <= MAX_HEADS
-                and all(c.dtype == torch.float32 and c.device.type == "cpu" and c.is_contiguous()
+                and all(c.dtype == query.dtype and c.device.type == "cpu" and c.is_contiguous()
                         for c in (k_cache, v_cache)))
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -78,14 +84,15 @@ class DecodeKernel:
         softmax-weighted values over the keys it sees. A seen key's slot outside the caches
         raises IndexError (nothing is read there)."""
         num_seqs, num_kv_heads, group, head_dim = q.shape
-        q = q.contiguous()
+        dtype = q.dtype
+        q = q.to(torch.float32).contiguous()  # [B, Hkv, G, D], fp32 for either cache dtype
         slots = slots.to(torch.int64).contiguous()
         if valid is not None:
             valid = valid.to(torch.bool).contiguous()
         out = torch.empty_like(q)
         if num_seqs == 0:
-            return out
-        status = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            return out.to(dtype)
+        status = self._fns[dtype](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                           slots.data_ptr(), None if valid is None else valid.data_ptr(),
                           k_cache.shape[0], num_seqs, slots.shape[1], num_kv_heads, group,
                           head_dim, scale, torch.get_num_threads(), out.data_ptr())
@@ -96,7 +103,7 @@ class DecodeKernel:
             raise ValueError(f"paged decode kernel refused q {tuple(q.shape)}, slots "
                              f"{tuple(slots.shape)} (needs at least one key, at most "
                              f"{MAX_HEADS} query heads)")
-        return out
+        return out.to(dtype)
 
 
 def reference_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -141,7 +148,8 @@ def build(cache_dir: Optional[Path] = None) -> Path:
 
 def check(kernel: DecodeKernel) -> None:
     """Raises `KernelBuildError` unless the kernel equals the PyTorch path on a small input that
-    crosses the kernel's tiles and parts, with masked keys and grouped query heads."""
+    crosses the kernel's tiles and parts, with masked keys and grouped query heads: in fp32, and
+    over the same input's bf16 caches (within bf16's rounding of the output)."""
     gen = torch.Generator().manual_seed(0)
     num_seqs, num_kv_heads, group, head_dim, num_keys, num_slots = 3, 2, 4, 64, 1100, 4096
     k_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen)
@@ -150,8 +158,12 @@ def check(kernel: DecodeKernel) -> None:
     slots = torch.randint(0, num_slots, (num_seqs, num_keys), generator=gen)
     valid = torch.rand(num_seqs, num_keys, generator=gen) < 0.8
     valid[:, 0] = True
-    got = kernel.attend(q, k_cache, v_cache, slots, valid, head_dim ** -0.5)
-    want = reference_attend(q, k_cache, v_cache, slots, valid, head_dim ** -0.5)
-    error = (got - want).abs().max().item()
-    if not error < 1e-4:
-        raise KernelBuildError(f"{kernel.path} differs from PyTorch's SDPA by {error:.2e}")
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        k, v, query = (t.to(dtype) for t in (k_cache, v_cache, q))
+        got = kernel.attend(query, k, v, slots, valid, head_dim ** -0.5).float()
+        want = reference_attend(query.float(), k.float(), v.float(), slots, valid,
+                                head_dim ** -0.5)
+        error = (got - want).abs().max().item()
+        if not error < tolerance:
+            raise KernelBuildError(f"{kernel.path} differs from PyTorch's SDPA by {error:.2e} "
+                                   f"over {dtype} caches")

@@ -55,7 +55,7 @@ class SlowableEngine(LLMEngine):
 class TinyGroup:
     def __init__(self, model_dir: str) -> None:
         self.engine = AsyncLLMEngine(lambda: SlowableEngine(EngineConfig(
-            model=model_dir, block_size=BLOCK_SIZE, num_kv_blocks=128)))
+            model=model_dir, block_size=BLOCK_SIZE, num_kv_blocks=128, dtype="float32")))
         self.calls: list = []
         self.cancelled: list = []
         self.num_chunks: dict = {}

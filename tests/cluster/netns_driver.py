@@ -29,7 +29,8 @@ from workers.config import EngineConfig
 
 def serve_and_check(host: str, model_dir: str, expected: dict) -> dict:
     serve.start(http_options={"host": host, "port": 8000}, proxy_location="HeadOnly")
-    engine = EngineConfig(model=model_dir, tp_size=2, block_size=4, num_kv_blocks=64)
+    engine = EngineConfig(model=model_dir, tp_size=2, block_size=4, num_kv_blocks=64,
+                          dtype="float32")
     config = ServeConfig(engine=engine, placement="plan", cpu_ranks_per_node=1,
                          ingress_replicas="1",
                          served_model_name="tiny")

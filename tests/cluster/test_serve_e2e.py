@@ -35,7 +35,7 @@ def serve_app(model_dir, port, engine_kwargs=None, grpc_port=0, **config):
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 grpc_options=grpc_options(grpc_port))
     engine = EngineConfig(model=str(model_dir), tp_size=2, block_size=4, num_kv_blocks=128,
-                          **(engine_kwargs or {}))
+                          **{"dtype": "float32", **(engine_kwargs or {})})
     # One ingress replica unless a test asks for more: the default (two) is served in
     # tests/deploy/test_deploy_serve_run.py, and each replica costs a process here.
     config.setdefault("ingress_replicas", "1")

@@ -43,8 +43,11 @@ def test_the_kernel_builds_and_runs_on_the_machines_the_suite_runs_on():
     assert kernel is not None, "no C compiler, or the kernel failed its check: see the log"
     cache = torch.zeros(16, 2, 64)
     assert kernel.accepts(torch.zeros(1, 8, 64), cache, cache)
-    assert not kernel.accepts(torch.zeros(1, 8, 64, dtype=torch.bfloat16),
-                              cache.bfloat16(), cache.bfloat16())
+    assert kernel.accepts(torch.zeros(1, 8, 64, dtype=torch.bfloat16),
+                          cache.bfloat16(), cache.bfloat16())
+    assert not kernel.accepts(torch.zeros(1, 8, 64), cache.bfloat16(), cache.bfloat16())
+    assert not kernel.accepts(torch.zeros(1, 8, 64, dtype=torch.float16),
+                              cache.half(), cache.half())
     assert not kernel.accepts(torch.zeros(1, 8, 64), cache, torch.zeros(2, 16, 64).transpose(0, 1))
 
 
@@ -73,6 +76,29 @@ def test_the_kernel_equals_gather_and_sdpa(num_seqs, num_kv_heads, group, head_d
     got = decode_kernel().attend(q, k_cache, v_cache, slots, valid, scale)
     torch.testing.assert_close(got, reference_attend(q, k_cache, v_cache, slots, valid, scale),
                                rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=15, deadline=None)
+@given(num_seqs=st.integers(1, 4), num_kv_heads=st.sampled_from([1, 3]),
+       group=st.sampled_from([1, 3, 8]), head_dim=st.sampled_from([64, 40]),
+       num_keys=st.integers(1, 1100), seed=st.integers(0, 2 ** 16))
+def test_over_bf16_caches_it_equals_fp32_sdpa_of_the_same_values_rounded_once(
+        num_seqs, num_kv_heads, group, head_dim, num_keys, seed):
+    """bf16 K/V read as bf16, summed in fp32: the fp32 attention of the same bf16 values, within
+    the output's one rounding to bf16."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = 2048
+    k_cache, v_cache = torch.randn(2, num_slots, num_kv_heads, head_dim,
+                                   generator=gen).bfloat16()
+    q = torch.randn(num_seqs, num_kv_heads, group, head_dim, generator=gen).bfloat16()
+    slots = torch.randint(0, num_slots, (num_seqs, num_keys), generator=gen)
+    valid = torch.rand(num_seqs, num_keys, generator=gen) < 0.7
+    valid[:, 0] = True
+    got = decode_kernel().attend(q, k_cache, v_cache, slots, valid, head_dim ** -0.5)
+    want = reference_attend(q.float(), k_cache.float(), v_cache.float(), slots, valid,
+                            head_dim ** -0.5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want.bfloat16(), rtol=8e-3, atol=1e-3)
 
 
 def test_no_mask_means_every_key():

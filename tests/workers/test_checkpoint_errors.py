@@ -55,7 +55,7 @@ def test_sharded_checkpoint_loads_from_its_index(tiny_llama, tmp_path):
         save_file({k: tensors[k] for k in keys}, str(model / file), metadata={"format": "pt"})
     (model / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {k: f for f, keys in halves.items() for k in keys}}))
-    engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=8))
+    engine = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=8, dtype="float32"))
     embed = engine.rank.runner.model.model.embed_tokens.weight
     torch.testing.assert_close(embed, tensors["model.embed_tokens.weight"])
 

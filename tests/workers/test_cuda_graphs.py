@@ -36,7 +36,7 @@ def test_batch_sizes_pad_by_at_most_seven():
 
 def engine(model_dir, **kwargs):
     return LLM(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=96,
-                            attention_backend="triton", **kwargs))
+                            attention_backend="triton", **{"dtype": "float32", **kwargs}))
 
 
 @needs_triton

@@ -107,7 +107,8 @@ def test_bad_prompts_are_rejected(engine, prompt, match):
         engine.add_request(prompt, SamplingParams())
 
 
-# The tiny model's KV block of 4 tokens: 2 layers x (K, V) x 4 tokens x 2 heads x 16 x 4 bytes.
+# The tiny model's KV block of 4 tokens in fp32: 2 layers x (K, V) x 4 tokens x 2 heads x 16 x
+# 4 bytes.
 BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4
 
 
@@ -116,7 +117,7 @@ BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4
                                          "--kv-cache-gb")])
 def test_a_pool_smaller_than_the_models_context_lowers_it(tiny_llama, caplog, pool, flag):
     with caplog.at_level("WARNING", logger="workers.engine"):
-        llm = LLM(EngineConfig(model=str(tiny_llama), block_size=4, **pool))
+        llm = LLM(EngineConfig(model=str(tiny_llama), block_size=4, dtype="float32", **pool))
     with llm:
         assert llm.engine.max_model_len == 16  # 4 blocks of 4 tokens, not the model's 256
         assert "lowered to 16" in caplog.text and "256" in caplog.text and flag in caplog.text
@@ -130,7 +131,8 @@ def test_a_pool_smaller_than_the_models_context_lowers_it(tiny_llama, caplog, po
                                         (dict(kv_cache_gb=4.5 * BLOCK_BYTES / 2**30),
                                          "--kv-cache-gb")])
 def test_an_explicit_context_larger_than_the_pool_is_refused(tiny_llama, pool, flag):
-    config = EngineConfig(model=str(tiny_llama), block_size=4, max_model_len=32, **pool)
+    config = EngineConfig(model=str(tiny_llama), block_size=4, max_model_len=32, dtype="float32",
+                          **pool)
     with pytest.raises(ValueError) as error:
         LLMEngine(config)
     message = str(error.value)

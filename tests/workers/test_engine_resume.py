@@ -13,8 +13,11 @@ MAX_TOKENS = 14
 
 
 def run(model_dir, params, resume=()):
-    """Every output of one request: (new token ids, delta text) per step, and the last output."""
-    with LLMEngine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=64)) as engine:
+    """Every output of one request: (new token ids, delta text) per step, and the last output.
+    fp32: in bf16 the resumed request's prefill rounds otherwise than the decodes it replaces, so
+    its greedy tokens may leave the uninterrupted ones after the cut."""
+    config = EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=64, dtype="float32")
+    with LLMEngine(config) as engine:
         engine.add_request(PROMPT, params, request_id="r", resume_output_ids=resume)
         steps, last = [], None
         while engine.has_unfinished():

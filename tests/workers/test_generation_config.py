@@ -31,7 +31,7 @@ def test_stops_on_an_eos_listed_only_in_generation_config(model_dir):
     references = hf_greedy(model_dir, PROMPTS, MAX_NEW)
     assert references[0] == unstopped[:unstopped.index(extra) + 1]  # transformers honours it
 
-    config = EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=64)
+    config = EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=64, dtype="float32")
     with LLM(config) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
     assert [o.output_token_ids for o in outs] == references

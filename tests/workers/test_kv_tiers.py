@@ -69,7 +69,7 @@ def check_checksum(llm, name):
 
 def config(model_dir, **overrides):
     base = dict(model=str(model_dir), block_size=BLOCK, num_kv_blocks=16, max_num_seqs=1,
-                host_kv_blocks=64)
+                host_kv_blocks=64, dtype="float32")
     base.update(overrides)
     return EngineConfig(**base)
 
@@ -399,7 +399,8 @@ with LLM(EngineConfig(**args["config"])) as llm:
 
 def test_disk_write_errors_degrade_to_recompute(model_dir, references, tmp_path):
     cfg = dict(model=str(model_dir), block_size=BLOCK, num_kv_blocks=16, max_num_seqs=1,
-               host_kv_blocks=2, disk_kv_dir=str(tmp_path / "kv"), disk_kv_blocks=64)
+               host_kv_blocks=2, disk_kv_dir=str(tmp_path / "kv"), disk_kv_blocks=64,
+               dtype="float32")
     payload = json.dumps({"config": cfg, "prompts": FIRST + SECOND, "max_new": MAX_NEW})
     result = subprocess.run([sys.executable, "-c", WRITE_LIMIT_SCRIPT, payload],
                             capture_output=True, text=True, timeout=300)

@@ -63,7 +63,7 @@ def test_the_profile_step_is_the_largest_the_scheduler_may_send(batched, seqs, m
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_profile_step_runs_the_real_model_into_a_cache_of_its_own(tiny_llama, backend):
     config = EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=64,
-                          attention_backend=backend)
+                          attention_backend=backend, dtype="float32")
     with LLM(config) as llm:
         rank = llm.engine.rank
         pool = rank.runner.kv_cache.data.clone()

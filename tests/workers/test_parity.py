@@ -43,7 +43,7 @@ def references(checkpoints):
 
 def run_twice(model_dir, **engine_kwargs):
     """Generate the batch twice on one engine; returns both passes' ids and the engine stats."""
-    config = EngineConfig(model=str(model_dir), block_size=4, **engine_kwargs)
+    config = EngineConfig(model=str(model_dir), block_size=4, dtype="float32", **engine_kwargs)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
     with LLM(config) as llm:
         first = [o.output_token_ids for o in llm.generate(PROMPTS, params)]

@@ -16,7 +16,8 @@ EOS = 2  # the tiny checkpoints' eos_token_id
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    with LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=128)) as e:
+    with LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=128,
+                                 dtype="float32")) as e:
         yield e
 
 

@@ -33,7 +33,7 @@ PROMPTS = make_prompts()
 
 
 def generate(model_dir, **engine_kwargs):
-    config = EngineConfig(model=str(model_dir), block_size=4, **engine_kwargs)
+    config = EngineConfig(model=str(model_dir), block_size=4, dtype="float32", **engine_kwargs)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
     with LLM(config) as llm:
         first = [o.output_token_ids for o in llm.generate(PROMPTS, params)]

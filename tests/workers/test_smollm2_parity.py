@@ -37,7 +37,21 @@ def smollm2(default_model_cache):
 @pytest.mark.parametrize("tp", [1, pytest.param(3, marks=pytest.mark.multiproc)])
 def test_smollm2_greedy_matches_transformers(smollm2, tp):
     model_dir, token_ids, expected = smollm2
-    config = EngineConfig(model=str(model_dir), tp_size=tp, num_kv_blocks=128)
+    config = EngineConfig(model=str(model_dir), tp_size=tp, num_kv_blocks=128,
+                          dtype="float32")
     with LLM(config) as llm:
         outs = llm.generate(token_ids, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
     assert [o.output_token_ids for o in outs] == expected
+
+
+def test_smollm2_in_bf16_answers_sanely(smollm2):
+    """bf16 (what ``auto`` picks on a CPU with AMX or AVX-512 BF16): the prefill's argmax agrees
+    with transformers' fp32 on most prompts, and the completions still say what they should."""
+    model_dir, token_ids, expected = smollm2
+    config = EngineConfig(model=str(model_dir), num_kv_blocks=128, dtype="bfloat16")
+    with LLM(config) as llm:
+        outs = llm.generate(token_ids, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    got = [o.output_token_ids for o in outs]
+    assert sum(g[:1] == e[:1] for g, e in zip(got, expected)) >= len(PROMPTS) - 1, (got, expected)
+    assert "Paris" in outs[0].text, outs[0].text  # "The capital of France is"
+    assert "return" in outs[1].text or "fibonacci" in outs[1].text, outs[1].text

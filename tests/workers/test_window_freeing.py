@@ -16,6 +16,7 @@ from workers.sampling_params import SamplingParams
 
 WINDOW, BLOCK = 8, 4
 MAX_BLOCKS_PER_REQUEST = WINDOW // BLOCK + 2
+FP32_BLOCKS = dict(block_size=BLOCK, dtype="float32")  # fp32: outputs compared to transformers'
 MAX_NEW = 90
 rng = random.Random(3)
 SHARED = [rng.randrange(3, 509) for _ in range(16)]  # 4 full blocks
@@ -47,7 +48,7 @@ def generate(engine, prompts):
 
 
 def test_decoding_past_the_window_holds_only_the_window(mistral, reference):
-    with LLMEngine(EngineConfig(model=str(mistral), block_size=BLOCK, num_kv_blocks=128)) as engine:
+    with LLMEngine(EngineConfig(model=str(mistral), **FP32_BLOCKS, num_kv_blocks=128)) as engine:
         for prompt, expected in zip(PROMPTS, reference):
             out, used = generate(engine, [prompt])
             assert out == [expected]
@@ -59,7 +60,7 @@ def test_decoding_past_the_window_holds_only_the_window(mistral, reference):
 def test_requests_sharing_cached_prefix_blocks_free_them_independently(mistral, reference):
     """The second pass takes the shared prefix from the cache: both requests reference its
     blocks, and each drops its reference when the blocks leave its own window."""
-    with LLMEngine(EngineConfig(model=str(mistral), block_size=BLOCK, num_kv_blocks=128)) as engine:
+    with LLMEngine(EngineConfig(model=str(mistral), **FP32_BLOCKS, num_kv_blocks=128)) as engine:
         first, _ = generate(engine, PROMPTS)
         hits_before = engine.scheduler.kv.num_device_hits
         second, used = generate(engine, PROMPTS)
@@ -74,7 +75,7 @@ def test_freed_blocks_serve_other_requests_in_a_small_pool(mistral, reference, t
     """29 blocks hold one request of the longest context (115 tokens), not the three together
     without freeing. Every rank reads only the window, so a block freed here and written by
     another request is never read stale."""
-    config = EngineConfig(model=str(mistral), block_size=BLOCK, num_kv_blocks=29, tp_size=tp,
+    config = EngineConfig(model=str(mistral), **FP32_BLOCKS, num_kv_blocks=29, tp_size=tp,
                           enable_prefix_cache=False)
     with LLMEngine(config) as engine:
         out, used = generate(engine, PROMPTS)
@@ -89,7 +90,7 @@ def test_a_model_with_full_attention_layers_frees_nothing(tmp_path):
                              sliding_window=WINDOW, max_window_layers=1)
     prompt = PROMPTS[1]
     expected = hf_greedy(model, [prompt], 40)[0]
-    with LLMEngine(EngineConfig(model=str(model), block_size=BLOCK, num_kv_blocks=128)) as engine:
+    with LLMEngine(EngineConfig(model=str(model), **FP32_BLOCKS, num_kv_blocks=128)) as engine:
         rid = engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0.0))
         while True:
             outs = engine.step()
@@ -103,7 +104,7 @@ def test_a_model_with_full_attention_layers_frees_nothing(tmp_path):
 def test_with_a_host_tier_freed_window_blocks_are_kept_on_host(mistral, reference):
     """Blocks freed as they leave the window are written through like any released block, so a
     second pass finds the prompts' leading blocks on host although the device evicted them."""
-    config = EngineConfig(model=str(mistral), block_size=BLOCK, num_kv_blocks=29,
+    config = EngineConfig(model=str(mistral), **FP32_BLOCKS, num_kv_blocks=29,
                           host_kv_blocks=256)
     with LLMEngine(config) as engine:
         first, _ = generate(engine, PROMPTS)

@@ -1,7 +1,9 @@
-/* Paged decode attention on CPU, fp32: one query token per sequence attends to its keys and
- * values where they lie in the paged cache, read through each sequence's slot list. No gather
- * into padded dense tensors: each slot's key and value rows (all its KV heads) are read once,
- * from the cache, for every query head.
+/* Paged decode attention on CPU: one query token per sequence attends to its keys and values
+ * where they lie in the paged cache, read through each sequence's slot list. No gather into
+ * padded dense tensors: each slot's key and value rows (all its KV heads) are read once, from the
+ * cache, for every query head. Caches in fp32 (tpserve_paged_decode_f32) or bf16
+ * (tpserve_paged_decode_bf16: each tile's rows widened to fp32 in a scratch that stays in L1/L2,
+ * a shift per element, no bf16 instructions needed); queries, sums and outputs are fp32.
  *
  * Work is split into tasks of (sequence, a part of PART keys), run on OpenMP threads (the
  * process's OpenMP runtime: torch's, which loaded it first), each an online softmax of every
@@ -21,6 +23,7 @@
  */
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,13 +34,25 @@
 
 typedef struct {
   const float *q;        /* [B, Hkv, G, D] */
-  const float *k_cache;  /* [S, Hkv, D] */
-  const float *v_cache;  /* [S, Hkv, D] */
+  const void *k_cache;   /* [S, Hkv, D], fp32 or bf16 */
+  const void *v_cache;   /* [S, Hkv, D], fp32 or bf16 */
   const int64_t *slots;  /* [B, K], each in [0, S) */
   const uint8_t *valid;  /* [B, K], nonzero where the key is seen; NULL: all */
   int64_t S, K, Hkv, G, D;
   float scale;
+  int64_t elem_bytes; /* 4: fp32 caches; 2: bf16 */
 } Inputs;
+
+/* out[i] = the n bf16 values at in[i] as fp32 (a bf16 is the top half of an fp32). */
+static void widen_bf16(const uint16_t *in, int64_t n, float *out) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; i++) {
+    const uint32_t bits = (uint32_t)in[i] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    out[i] = value;
+  }
+}
 
 /* scores[i] = scale * (q . key i) for the n keys at keys + rows[i], four keys at a time (four
  * independent sums keep the vector units busy while the rows load). */
@@ -69,17 +84,17 @@ static void tile_scores(const float *q, const float *keys, const int64_t *rows, 
   }
 }
 
-/* Scores of the tile's keys (cache row offsets in rows[]) for every query head, their running
- * maxima, sums and weighted values updated in place (acc [H, D], m [H], l [H]). A row holds all
- * KV heads of its slot, so a tile reads whole rows, one after another. */
-static void attend_tile(const Inputs *in, const float *q, const int64_t *rows, int64_t n,
-                        float *acc, float *m, float *l) {
+/* Scores of the tile's keys (row offsets in rows[] into keys and values, fp32) for every query
+ * head, their running maxima, sums and weighted values updated in place (acc [H, D], m [H],
+ * l [H]). A row holds all KV heads of its slot, so a tile reads whole rows, one after another. */
+static void attend_tile(const Inputs *in, const float *q, const float *keys, const float *values,
+                        const int64_t *rows, int64_t n, float *acc, float *m, float *l) {
   const int64_t G = in->G, D = in->D, H = in->Hkv * in->G;
   float p[MAX_HEADS][TILE];
   for (int64_t head = 0; head < H; head++) {
     const float *qh = q + head * D;
     const int64_t kv_offset = head / G * D;
-    tile_scores(qh, in->k_cache + kv_offset, rows, n, D, in->scale, p[head]);
+    tile_scores(qh, keys + kv_offset, rows, n, D, in->scale, p[head]);
     float tile_max = m[head];
     for (int64_t i = 0; i < n; i++)
       if (p[head][i] > tile_max) tile_max = p[head][i];
@@ -99,7 +114,7 @@ static void attend_tile(const Inputs *in, const float *q, const int64_t *rows, i
   }
   for (int64_t i = 0; i < n; i++) {
     for (int64_t head = 0; head < H; head++) {
-      const float *value = in->v_cache + rows[i] + head / G * D;
+      const float *value = values + rows[i] + head / G * D;
       const float w = p[head][i];
       float *ah = acc + head * D;
 #pragma omp simd
@@ -122,19 +137,39 @@ static int64_t tile_rows(const Inputs *in, const int64_t *slots, const uint8_t *
   return n;
 }
 
-/* Asks for the key and value rows (every KV head of a slot) of n keys. */
+/* Asks for the key and value rows (every KV head of a slot) of n keys, a cache line at a time. */
 static void prefetch_rows(const Inputs *in, const int64_t *rows, int64_t n, int64_t row) {
+  const char *k = in->k_cache, *v = in->v_cache;
+  const int64_t bytes = row * in->elem_bytes;
   for (int64_t i = 0; i < n; i++)
-    for (int64_t offset = 0; offset < row; offset += 16) {
-      __builtin_prefetch(in->k_cache + rows[i] + offset);
-      __builtin_prefetch(in->v_cache + rows[i] + offset);
+    for (int64_t offset = 0; offset < bytes; offset += 64) {
+      __builtin_prefetch(k + rows[i] * in->elem_bytes + offset);
+      __builtin_prefetch(v + rows[i] * in->elem_bytes + offset);
     }
+}
+
+/* The tile attended: fp32 caches where they lie; bf16 ones widened into scratch (2 * TILE rows)
+ * first, then read there. */
+static void attend_rows(const Inputs *in, const float *q, const int64_t *rows, int64_t n,
+                        int64_t row, float *scratch, float *acc, float *m, float *l) {
+  if (in->elem_bytes == 4) {
+    attend_tile(in, q, in->k_cache, in->v_cache, rows, n, acc, m, l);
+    return;
+  }
+  float *keys = scratch, *values = scratch + TILE * row;
+  int64_t local[TILE];
+  for (int64_t i = 0; i < n; i++) {
+    widen_bf16((const uint16_t *)in->k_cache + rows[i], row, keys + i * row);
+    widen_bf16((const uint16_t *)in->v_cache + rows[i], row, values + i * row);
+    local[i] = i * row;
+  }
+  attend_tile(in, q, keys, values, local, n, acc, m, l);
 }
 
 /* Keys k0..k1 of sequence b: unnormalized acc [H, D], maxima m [H], sums l [H]. Returns 0, or
  * -2 for a slot outside the cache (nothing read there). */
-static int attend_part(const Inputs *in, int64_t b, int64_t k0, int64_t k1, float *acc,
-                       float *m, float *l) {
+static int attend_part(const Inputs *in, int64_t b, int64_t k0, int64_t k1, float *scratch,
+                       float *acc, float *m, float *l) {
   const int64_t H = in->Hkv * in->G, D = in->D, row = in->Hkv * in->D;
   const float *q = in->q + b * H * D;
   const int64_t *slots = in->slots + b * in->K;
@@ -161,7 +196,7 @@ static int attend_part(const Inputs *in, int64_t b, int64_t k0, int64_t k1, floa
       after_n = tile_rows(in, slots, valid, after, k1, after_rows);
       if (after_n > 0) prefetch_rows(in, after_rows, after_n, row);
     }
-    if (n) attend_tile(in, q, rows, n, acc, m, l);
+    if (n) attend_rows(in, q, rows, n, row, scratch, acc, m, l);
     memcpy(rows, next_rows, sizeof(int64_t) * (next_n > 0 ? next_n : 0));
     n = next_n;
     memcpy(next_rows, after_rows, sizeof(int64_t) * (after_n > 0 ? after_n : 0));
@@ -193,26 +228,29 @@ static void merge_parts(const float *acc, const float *m, const float *l, int64_
   }
 }
 
-/* out [B, Hkv, G, D] over caches of S slots. Returns 0; -1 for arguments it cannot run, -2 for
- * a seen key's slot outside [0, S) (out is then not written). */
-int tpserve_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
-                             const int64_t *slots, const uint8_t *valid, int64_t S, int64_t B,
-                             int64_t K, int64_t Hkv, int64_t G, int64_t D, float scale,
-                             int num_threads, float *out) {
-  const int64_t H = Hkv * G;
-  if (B < 0 || K < 1 || Hkv < 1 || G < 1 || H > MAX_HEADS || D < 1 || num_threads < 1)
+/* out [B, Hkv, G, D] over caches of S slots of elem_bytes each. Returns 0; -1 for arguments it
+ * cannot run, -2 for a seen key's slot outside [0, S) (out is then not written). */
+static int paged_decode(const Inputs *in, int64_t B, int num_threads, float *out) {
+  const int64_t H = in->Hkv * in->G, D = in->D, K = in->K;
+  if (B < 0 || K < 1 || in->Hkv < 1 || in->G < 1 || H > MAX_HEADS || D < 1 || num_threads < 1)
     return -1;
-  const Inputs in = {q, k_cache, v_cache, slots, valid, S, K, Hkv, G, D, scale};
   int status = 0;
   const int64_t parts = (K + PART - 1) / PART, tasks = B * parts;
+  const int64_t scratch_size = in->elem_bytes == 4 ? 0 : 2 * TILE * in->Hkv * D;
   float *acc = malloc(sizeof(float) * (tasks * H * D + 2 * tasks * H + 1));
-  if (!acc) return -1;
+  float *scratch = malloc(sizeof(float) * (num_threads * scratch_size + 1));
+  if (!acc || !scratch) {
+    free(acc);
+    free(scratch);
+    return -1;
+  }
   float *m = acc + tasks * H * D, *l = m + tasks * H;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
   for (int64_t t = 0; t < tasks; t++) {
     const int64_t part = t % parts, b = t / parts;
     const int64_t k0 = part * PART, k1 = k0 + PART < K ? k0 + PART : K;
-    if (attend_part(&in, b, k0, k1, acc + t * H * D, m + t * H, l + t * H)) {
+    float *own = scratch + omp_get_thread_num() * scratch_size;
+    if (attend_part(in, b, k0, k1, own, acc + t * H * D, m + t * H, l + t * H)) {
 #pragma omp atomic write
       status = -2;
     }
@@ -223,6 +261,24 @@ int tpserve_paged_decode_f32(const float *q, const float *k_cache, const float *
       merge_parts(acc + b * parts * H * D, m + b * parts * H, l + b * parts * H, parts, H, D,
                   out + b * H * D);
   }
+  free(scratch);
   free(acc);
   return status;
+}
+
+int tpserve_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+                             const int64_t *slots, const uint8_t *valid, int64_t S, int64_t B,
+                             int64_t K, int64_t Hkv, int64_t G, int64_t D, float scale,
+                             int num_threads, float *out) {
+  const Inputs in = {q, k_cache, v_cache, slots, valid, S, K, Hkv, G, D, scale, 4};
+  return paged_decode(&in, B, num_threads, out);
+}
+
+/* As tpserve_paged_decode_f32, over bf16 caches (their raw 16-bit patterns). */
+int tpserve_paged_decode_bf16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                              const int64_t *slots, const uint8_t *valid, int64_t S, int64_t B,
+                              int64_t K, int64_t Hkv, int64_t G, int64_t D, float scale,
+                              int num_threads, float *out) {
+  const Inputs in = {q, k_cache, v_cache, slots, valid, S, K, Hkv, G, D, scale, 2};
+  return paged_decode(&in, B, num_threads, out);
 }
