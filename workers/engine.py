@@ -114,7 +114,8 @@ class LLMEngine:
         ``resume_output_ids``: the tokens another engine already produced for this request (a
         migrated request, n=1). They count as output (``max_tokens``, ``min_tokens``,
         penalties, stop strings across the cut) and their text as already emitted: the outputs
-        continue where that engine stopped. A greedy request continues exactly; a seeded one
+        continue where that engine stopped. A greedy request continues exactly in fp32 (in bf16 the
+        prefill of the resumed tokens rounds otherwise than their decodes did); a seeded one
         draws from a seed derived from its seed and the number of resumed tokens (reproducible
         for the same cut, not the draws the uninterrupted run would have made).
 
