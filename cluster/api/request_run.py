@@ -101,7 +101,8 @@ class GroupStream:
     With ``restart`` (called with the tokens produced so far), a group failure does not end
     it: the request goes to another group, resumed after those tokens, and the chunks go on
     where they stopped (one uninterrupted stream; in fp32 greedy output equals the
-    uninterrupted run's, in bf16 it may diverge after the cut). Requests of several choices move only before their first token."""
+    uninterrupted run's, in bf16 it may diverge after the cut). Requests of several choices
+    move only before their first token."""
 
     def __init__(self, response: DeploymentResponseGenerator, num_choices: int = 1,
                  restart: Optional[Restart] = None, policy: MigrationPolicy = MigrationPolicy(),
