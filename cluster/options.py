@@ -7,7 +7,8 @@ A field's option is ``--`` and its name with dashes unless its metadata spells i
 (``tp_size``: ``--tp``); its argparse dest is the flag with underscores (``tp``), which is also its
 key in a config file's args. The type is the field's annotation: int, float or str (``Optional``
 ones default to None); a bool field is a switch (``--enforce-eager`` turns on a False field,
-``--no-prefix-cache`` turns off a True one). Defaults are the fields' own.
+``--no-prefix-cache`` turns off a True one; an ``Optional[bool]`` field that defaults to None,
+for "decided at run time", has both ``--name`` and ``--no-name``). Defaults are the fields' own.
 
 What is not one field per option, all handled here:
   ``--groups N|MIN:MAX``  ``ServeConfig.min_groups``/``max_groups`` (``parse_groups``); its
@@ -55,15 +56,23 @@ class Option:
         """The argparse dest, and the key in a config file's args."""
         return self.flag[2:].replace("-", "_")
 
+    @property
+    def is_tristate(self) -> bool:
+        """A bool field that defaults to None (auto): ``--name`` and ``--no-name`` both exist."""
+        return self.kind is bool and self.default is None
+
     def parsed_default(self) -> Any:
         """What the parser holds when the option is not given."""
+        if self.is_tristate:
+            return None
         if self.kind is bool:
             return False
         return os.environ.get(self.env, self.default) if self.env else self.default
 
     def field_value(self, parsed: Any) -> Any:
-        """The field's value for the parsed value: a given switch flips its field's default."""
-        if self.kind is bool:
+        """The field's value for the parsed value: a given switch flips its field's default (a
+        tri-state one is what was given, or None)."""
+        if self.kind is bool and not self.is_tristate:
             return not self.default if parsed else self.default
         return parsed
 
@@ -116,7 +125,9 @@ def add_options(parser: argparse.ArgumentParser, options: Iterable[Option]) -> N
                 groups[opt.group] = parser.add_argument_group(opt.group)
             target = groups[opt.group]
         kwargs: Dict[str, Any] = {"default": opt.parsed_default(), "help": opt.help}
-        if opt.kind is bool:
+        if opt.is_tristate:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif opt.kind is bool:
             kwargs["action"] = "store_true"
         else:
             if opt.kind is not str:

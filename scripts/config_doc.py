@@ -70,6 +70,8 @@ def _flag(action: argparse.Action) -> str:
 
 
 def _default(action: argparse.Action) -> str:
+    if action.nargs == 0 and action.default is None:  # --x / --no-x: decided at run time
+        return "auto"
     if action.nargs == 0:
         return "off" if not action.default else "on"
     if action.default is None or action.default == argparse.SUPPRESS:

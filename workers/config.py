@@ -56,6 +56,12 @@ class EngineConfig:
     enforce_eager: bool = option(
         False, "no CUDA graphs: every decode step launches its kernels (by default decode steps "
                "replay CUDA graphs on CUDA with the triton backend)")
+    # The overlapped step loop (workers.engine): None decides by device (on for CUDA, where the
+    # host's work hides behind the GPU's; off on CPU, where both share the cores).
+    async_scheduling: Optional[bool] = option(
+        None, "overlap the host's work of each step (sampled ids, stop checks, detokenizing, "
+              "scheduling the next step) with the device computing the next one (default: on "
+              "for CUDA, off on CPU)")
     # KV tiers below the device pool (per rank): host memory, then local disk.
     # 0 and host_kv_blocks None: no host tier; host_kv_blocks wins over host_kv_gb
     host_kv_gb: float = option(0.0, "host-memory KV tier in GiB (0: none)", group=TIERS)

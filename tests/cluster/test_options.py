@@ -41,7 +41,11 @@ def test_every_option_field_has_its_flag_with_the_fields_default(command):
             if action is None:
                 wrong.append(f"{name}: no such flag in tpserve {command}")
                 continue
-            if action.nargs == 0:  # a switch, False until given: it flips the field's default
+            if action.nargs == 0 and field.default is None:  # --x / --no-x, None until given
+                if action.default is not None or "--no-" + flag[2:] not in action.option_strings:
+                    wrong.append(f"{name}: a tri-state switch without --no-{flag[2:]} or with "
+                                 f"a default")
+            elif action.nargs == 0:  # a switch, False until given: it flips the field's default
                 if action.default is not False or flag.startswith("--no-") != field.default:
                     wrong.append(f"{name}: a switch that does not flip the field's default "
                                  f"{field.default!r}")
@@ -91,8 +95,7 @@ def test_the_api_key_defaults_to_its_environment_variable(monkeypatch):
 
 
 def test_a_config_files_args_are_the_serve_options_less_those_it_keeps_elsewhere():
-    flags = [flag for flag in _actions("serve") if flag.startswith("--")]
-    dests = {flag[2:].replace("-", "_") for flag in flags}
+    dests = {action.dest for flag, action in _actions("serve").items() if flag.startswith("--")}
     cli_only = {"help", "address", "grpc_port", "config"}
     assert set(arg_options()) == dests - cli_only - set(NOT_ARGS)
 
@@ -112,3 +115,15 @@ def test_a_switch_flips_its_fields_default():
     assert (on.field_value(False), on.field_value(True)) == (False, True)
     assert (off.field_value(False), off.field_value(True)) == (True, False)
     assert on.parsed_default() is False and off.parsed_default() is False
+
+
+def test_a_tristate_switch_is_none_until_given_either_way():
+    parser = tpserve_parser()
+    for argv, want in (([], None), (["--async-scheduling"], True),
+                       (["--no-async-scheduling"], False)):
+        assert engine_config(parser.parse_args(["serve", *argv])).async_scheduling is want
+    for value in (True, False):
+        config = serve_config_from_args({"async_scheduling": value}, environ={})
+        assert config.engine.async_scheduling is value
+    with pytest.raises(ValueError, match=r"args.async_scheduling: expected true or false"):
+        serve_config_from_args({"async_scheduling": "yes"}, environ={})
