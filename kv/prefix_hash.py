@@ -25,13 +25,15 @@ def hash_block(parent: Optional[BlockHash], token_ids: Sequence[int]) -> BlockHa
 
 
 def extend_block_hashes(
-    block_hashes: List[BlockHash], token_ids: Sequence[int], block_size: int
+    block_hashes: List[BlockHash], token_ids: Sequence[int], block_size: int,
+    num_tokens: Optional[int] = None,
 ) -> List[BlockHash]:
-    """Append the hashes of the full blocks of ``token_ids`` not yet in ``block_hashes``.
+    """Append the hashes of the full blocks of ``token_ids[:num_tokens]`` (all by default) not
+    yet in ``block_hashes``.
 
     Costs O(new full blocks): a request's hashes are extended as its tokens grow, never redone.
     """
-    num_full = len(token_ids) // block_size
+    num_full = (len(token_ids) if num_tokens is None else num_tokens) // block_size
     for index in range(len(block_hashes), num_full):
         parent = block_hashes[-1] if block_hashes else None
         start = index * block_size

@@ -135,6 +135,16 @@ class TPGroup:
                         group=self.device_group)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
+    def broadcast_from_first(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``tensor`` on every rank, in place over the device group (no host copy on
+        CUDA); the other ranks pass a tensor of the same shape and dtype to receive it."""
+        if self.world_size == 1:
+            return tensor
+        with self.counting_errors():
+            dist.broadcast(tensor, src=dist.get_global_rank(self.device_group, 0),
+                           group=self.device_group)
+        return tensor
+
     def destroy(self) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Dict, List, Optional, Sequence, Tuple
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from kv.attention.block_table_metadata import BlockTableMetadata, DeviceSeq
 from kv.attention.device_block_tables import PADDING_ROW, DeviceBlockTables
-from kv.host_staging import to_device
+from kv.host_staging import PinnedStaging
 from kv.kv_cache import KVCache
 from parallel.collective_timer import GraphTimings
 from workers.models.llama import LlamaForCausalLM
@@ -83,6 +84,7 @@ class DecodeGraphs:
         self.sizes = graph_batch_sizes(max_batch)
         self.capture = capture
         self._static = torch.zeros(3, max_batch, dtype=torch.long, device=device)
+        self._staging = PinnedStaging((3, max_batch), torch.long, device)
         self._arange = torch.arange(max_batch, dtype=torch.int32, device=device)
         self._ones = torch.ones(max_batch, dtype=torch.int32, device=device)
         self._none = torch.zeros(0, dtype=torch.int32, device=device)
@@ -95,10 +97,18 @@ class DecodeGraphs:
     def can_run(self, seqs: Sequence[DeviceSeq]) -> bool:
         return 0 < len(seqs) <= self.sizes[-1] and all(s.query_len == 1 for s in seqs)
 
-    def run(self, seqs: Sequence[DeviceSeq], input_ids: Sequence[int]) -> torch.Tensor:
-        """Hidden states ``[B, hidden]`` of a decode-only step (``can_run``), one row per seq."""
+    def run(self, seqs: Sequence[DeviceSeq], input_ids: Sequence[int],
+            fill: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """Hidden states ``[B, hidden]`` of a decode-only step (``can_run``), one row per seq.
+        ``fill`` maps the staged ids to the ids to run (placeholders taken from the device),
+        written into the graph's input buffer."""
         size = self.sizes[bisect.bisect_left(self.sizes, len(seqs))]
         self._stage(seqs, input_ids, size)
+        if fill is not None:
+            staged = self._static[0, :len(seqs)]
+            filled = fill(staged)
+            if filled is not staged:
+                staged.copy_(filled)
         self.num_runs += 1
         if self.tables.version != self._tables_version:  # the graphs read a freed tensor
             self._drop_graphs()
@@ -124,6 +134,21 @@ class DecodeGraphs:
                 self._graphs[size] = self._capture(size)
         return order
 
+    def replay_host_s(self, size: int) -> float:
+        """Host seconds that launching one replay of the graph for ``size`` (one of ``sizes``)
+        takes, the device idle before it, with padding rows staged (they write the scratch block
+        alone): what a decode step costs the host to launch. For diagnostics."""
+        self._stage((), (), size)
+        if size not in self._graphs:
+            self._graphs[size] = self._capture(size)
+        graph = self._graphs[size][0]
+        torch.cuda.synchronize(self._static.device)
+        started = time.perf_counter()
+        graph.replay()
+        elapsed = time.perf_counter() - started
+        torch.cuda.synchronize(self._static.device)
+        return elapsed
+
     def _drop_graphs(self) -> None:
         """Forget every graph, and their memory pool with them: a pool outlives its last graph
         (cuBLAS keeps a workspace in it), and capturing into it again then fails the caching
@@ -133,13 +158,12 @@ class DecodeGraphs:
         self._tables_version = self.tables.version
 
     def _stage(self, seqs: Sequence[DeviceSeq], input_ids: Sequence[int], size: int) -> None:
-        """One host-to-device copy of the step's ids, rows and cached lengths, padded."""
+        """One host-to-device copy of the step's ids, rows and cached lengths, padded to
+        ``size`` (through persistent pinned buffers)."""
         padding = size - len(seqs)
-        host = torch.tensor([list(input_ids) + [0] * padding,
-                             [s.row for s in seqs] + [PADDING_ROW] * padding,
-                             [s.num_computed for s in seqs] + [0] * padding],
-                            dtype=torch.long)  # [3, size]
-        self._static[:, :size].copy_(to_device(host, self._static.device), non_blocking=True)
+        self._staging.copy((list(input_ids) + [0] * padding,
+                            [s.row for s in seqs] + [PADDING_ROW] * padding,
+                            [s.num_computed for s in seqs] + [0] * padding), self._static)
 
     def _forward(self, size: int) -> torch.Tensor:
         """The model over the first ``size`` static rows; everything it reads is static."""

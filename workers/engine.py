@@ -22,18 +22,19 @@ from parallel.collective_errors import sum_counts
 from parallel.rendezvous import RendezvousSocket
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
-from workers.engine_outputs import RequestOutput, StepRecord
+from workers.engine_outputs import RequestOutput, StepRecord, request_output, step_record
 from workers.engine_sizing import check_model, context_length, fit_context_to_pool
 from workers.multiproc import RANK_STOP_S, RankLauncher, RankProcesses
 from workers.rank import RankReport, build_rank, execute_plan, rank_report
 from workers.rank_configs import rank_configs
 from workers.request import FinishReason, Request, RequestId
-from workers.sampler import SampledToken, sample
+from workers.sampler import SampledToken
 from workers.sampling_params import SamplingParams
-from workers.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from workers.scheduler import Scheduler, SchedulerConfig
 from workers.keepalive import PlanKeepalive
 from workers.request_intake import check_resume, check_token_ids, choice_generator, tokenize
 from workers.step_plan import StepPlan, broadcast_plan
+from workers.step_sampling import LaunchedStep, StepSampler
 from workers.structured.decoding import StructuredDecoding
 from workers.tier_setup import build_kv_manager, save_token_index, tier_stats
 from workers.tokenizer import load_tokenizer
@@ -86,6 +87,11 @@ class LLMEngine:
         self._generator = torch.Generator(self._device).manual_seed(config.seed)
         self.structured = StructuredDecoding(self.tokenizer, self.model_config.vocab_size,
                                              self.model_config.eos_token_ids, config.max_num_seqs)
+        overlap = (config.async_scheduling if config.async_scheduling is not None
+                   else self._device.type == "cuda")
+        self._sampler = StepSampler(self.rank, self.structured, self.model_config.eos_token_ids,
+                                    self.max_model_len, overlap, config.max_num_seqs)
+        self._launched: Optional[LaunchedStep] = None  # sampled, ids not yet read
         self.step_records: List[StepRecord] = []  # only with config.record_steps
         self._is_shut_down = False
         # Ranks 1..N-1 of an idle group must hear from rank 0 within the step timeout.
@@ -164,7 +170,7 @@ class LLMEngine:
         """Requests in flight, or tier transfers not yet committed (steps finish them)."""
         tiers = self.scheduler.kv.tiers
         return (self.scheduler.has_unfinished() or bool(self._aborted)
-                or (tiers is not None and tiers.has_outstanding))
+                or self._launched is not None or (tiers is not None and tiers.has_outstanding))
 
     def idle_wait_s(self) -> float:
         """How long the next step may wait: with no request in flight and only spills that
@@ -173,7 +179,8 @@ class LLMEngine:
         third of the step timeout: ranks 1..N-1 must hear from rank 0 within it (the keepalive
         is off while transfers are outstanding)."""
         tiers = self.scheduler.kv.tiers
-        if tiers is None or self.scheduler.has_unfinished() or self._aborted:
+        if (tiers is None or self.scheduler.has_unfinished() or self._aborted
+                or self._launched is not None):
             return 0.0
         return min(tiers.paced_wait_s(), self.config.step_timeout_s / 3)
 
@@ -194,26 +201,34 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> List[RequestOutput]:
+        """Schedule and launch step N, then read step N-1's sampled ids and do their host work
+        while the device computes N (the overlapped loop), or read N's at once (serial)."""
         started = time.perf_counter()
         self._maybe_snapshot()
+        outputs = []
+        if self._launched is not None and self._launched.needs_ids_first():
+            outputs = self._read_launched()
         scheduled = self.scheduler.schedule()
-        logits, tier_results = self._execute(scheduled.plan)
+        plan = self._sampler.plan_to_send(scheduled.plan)
+        logits, tier_results = self._execute(plan)
+        launched = self._sampler.launch(scheduled, plan, logits)
         self.scheduler.update(scheduled, tier_results)
-        outputs = [self._finish_output(r) for r in self._aborted + list(scheduled.finished)]
+        outputs += [self._finish_output(r) for r in self._aborted + list(scheduled.finished)]
         self._aborted = []
-        sampled_requests = [r for r, n in scheduled.scheduled
-                            if r.num_computed_tokens == r.num_tokens]
-        if sampled_requests:
-            assert logits is not None and logits.shape[0] == len(sampled_requests)
-            tokens = sample(logits, [r.params for r in sampled_requests],
-                            [r.generator for r in sampled_requests],
-                            [(r.prompt_token_ids, r.output_token_ids) for r in sampled_requests],
-                            self.model_config.eos_token_ids,
-                            self.structured.masks([r.grammar for r in sampled_requests]))
-            outputs.extend(self._append(r, t) for r, t in zip(sampled_requests, tokens))
-        if scheduled.plan.seqs:
-            self._record(scheduled, time.perf_counter() - started)
+        outputs += self._read_launched()
+        self._launched = launched
+        if not self._sampler.overlap:
+            outputs += self._read_launched()
+        if plan.seqs and self.config.record_steps:  # grows without bound: for benchmarks
+            self.step_records.append(step_record(scheduled, time.perf_counter() - started))
         return outputs
+
+    def _read_launched(self) -> List[RequestOutput]:
+        """The outputs of the launched step's sampled ids (none launched: none)."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            return []
+        return [self._append(request, token) for request, token in launched.read()]
 
     def _execute(self, plan: StepPlan) -> Tuple[Optional[torch.Tensor], Optional[TierOpResults]]:
         tiers = self.scheduler.kv.tiers
@@ -270,7 +285,7 @@ class LLMEngine:
                 tiers.commit(results)
 
     def _append(self, request: Request, token: SampledToken) -> RequestOutput:
-        request.append_token(token)
+        request.append_token(token)  # in place of its pending token
         reason = request.stop_reason_for_last_token()
         if request.grammar is not None:  # complete (STOP), or refused the token (ABORT)
             reason = self.structured.accept(request.grammar, token.token_id) or reason
@@ -282,7 +297,7 @@ class LLMEngine:
             delta, stopped_by_string = detok.add_token(token.token_id, can_stop)
         if stopped_by_string:
             reason = FinishReason.STOP
-        elif reason is None and request.num_tokens >= self.max_model_len:
+        elif reason is None and request.num_known_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         if reason is None:
             return self._output(request, [token.token_id], delta)
@@ -306,28 +321,18 @@ class LLMEngine:
             choices = self._requests.get(request.parent_id, ())
             if all(r.is_finished for r in choices):
                 self._requests.pop(request.parent_id, None)
-        return RequestOutput(
-            request_id=request.parent_id,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=list(request.output_token_ids),
-            new_token_ids=new_ids,
-            text=detok.text if detok is not None else "",
-            delta_text=delta,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason.value if request.finish_reason else None,
-            logprobs=list(request.output_logprobs),
-            index=request.index,
-        )
+        return request_output(request, new_ids, delta, detok.text if detok is not None else "")
 
-    def _record(self, scheduled: ScheduledStep, duration_s: float) -> None:
-        """Append the step's shape to ``step_records`` when ``config.record_steps`` asks for it
-        (the list grows without bound: for benchmarks, not for serving)."""
-        if not self.config.record_steps:
-            return
-        # Called after the scheduler advanced each request by its n new tokens.
-        seqs = tuple((r.num_computed_tokens - n, n) for r, n in scheduled.scheduled)
-        logits = sum(s.needs_logits for s in scheduled.plan.seqs)
-        self.step_records.append(StepRecord(seqs, logits, duration_s))
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether steps run overlapped (`workers.step_sampling`); settable between requests."""
+        return self._sampler.overlap
+
+    @async_scheduling.setter
+    def async_scheduling(self, on: bool) -> None:
+        if self.has_unfinished():
+            raise RuntimeError("async_scheduling changes between requests, not while any runs")
+        self._sampler.overlap = on
 
     @property
     def rank_device(self) -> torch.device:
@@ -368,6 +373,9 @@ class LLMEngine:
         if self._keepalive is not None:
             self._keepalive.close()  # from here on only this thread broadcasts
         try:
+            if self._launched is not None:
+                self._launched.copy.wait()  # its host buffers stay until the copy is done
+                self._launched = None
             self._drain_transfers()
             self._maybe_snapshot(force=True)
             self._drain_transfers()

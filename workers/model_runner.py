@@ -12,6 +12,10 @@ Two ways to build a step's inputs, chosen by the backend:
   (``DeviceBlockTables``) and change by each plan's diffs; a step sends its ints in one copy and
   builds positions, slots and context lengths there (``build_device_step``). Decode-only steps
   may then replay a CUDA graph (``DecodeGraphs``) instead of launching every kernel.
+
+A plan's token id may be a placeholder for a token sampled by the previous step whose id only the
+device has (the overlapped step loop): it is taken from ``last_sampled`` on the device, so no
+rank waits for the host to learn it.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ class ModelRunner:
         self._num_computed: Dict[int, int] = {}
         self.tables: Optional[DeviceBlockTables] = None
         self.graphs: Optional[DecodeGraphs] = None
+        # The ids sampled by the last step that shared them (``[N]`` on the device): a plan's
+        # placeholder ids (`workers.request.placeholder`) name rows of it.
+        self.last_sampled: Optional[torch.Tensor] = None
         if model.attention.reads_block_tables:
             max_len = max_model_len or model.config.max_position_embeddings
             # A row for every sequence the scheduler may run: a table that has to grow makes
@@ -115,7 +122,7 @@ class ModelRunner:
                 last_rows.append(len(input_ids) - 1)
         metadata = self.model.attention.build_metadata(slices, self.block_size, self.device,
                                                        self.model.config.layer_windows)
-        tokens = tensor_on(input_ids, torch.long, self.device)
+        tokens = self._with_sampled(tensor_on(input_ids, torch.long, self.device), input_ids)
         hidden = self.model(tokens, metadata, self.kv_cache)  # [T, hidden]
         return hidden, tensor_on(last_rows, torch.long, self.device)
 
@@ -137,10 +144,23 @@ class ModelRunner:
                 last_rows.append(len(input_ids) - 1)
         self.tables.flush()
         if self.graphs is not None and self.graphs.can_run(seqs):
-            hidden = self.graphs.run(seqs, input_ids)  # [B, hidden], one row per decode
+            hidden = self.graphs.run(seqs, input_ids,  # [B, hidden], one row per decode
+                                     fill=lambda ids: self._with_sampled(ids, input_ids))
             if len(last_rows) == len(seqs):
                 return hidden, None  # every row samples: no gather
             return hidden, tensor_on(last_rows, torch.long, self.device)
         step = build_device_step(self.tables, seqs, input_ids, last_rows, self.block_size,
                                  self.model.config.layer_windows)
-        return self.model(step.input_ids, step.metadata, self.kv_cache), step.logit_rows
+        ids = self._with_sampled(step.input_ids, input_ids)
+        return self.model(ids, step.metadata, self.kv_cache), step.logit_rows
+
+    def _with_sampled(self, ids: torch.Tensor, host_ids: List[int]) -> torch.Tensor:
+        """``ids`` (``host_ids`` on the device) with each placeholder replaced, on the device, by
+        the row of ``last_sampled`` it names; ``ids`` itself when there is none."""
+        if not host_ids or min(host_ids) >= 0:
+            return ids
+        if self.last_sampled is None:
+            raise RuntimeError("the plan has placeholder ids but no step has shared its "
+                               "sampled ids")
+        rows = (-1 - ids).clamp_(0, self.last_sampled.numel() - 1)
+        return torch.where(ids < 0, self.last_sampled[rows], ids)

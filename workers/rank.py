@@ -208,6 +208,15 @@ def execute_plan(rank: Rank, plan: StepPlan
     return logits, results
 
 
+def share_sampled(rank: Rank, plan: StepPlan, sampled: Optional[torch.Tensor] = None) -> None:
+    """The ids rank 0 sampled for ``plan`` (``sampled``, there) become every rank's
+    ``last_sampled``, broadcast over the device group (``plan.share_sampled``)."""
+    if sampled is None:
+        count = sum(step.needs_logits for step in plan.seqs)
+        sampled = torch.empty(count, dtype=torch.long, device=rank.runner.device)
+    rank.runner.last_sampled = rank.tp.broadcast_from_first(sampled)
+
+
 def serve_plans(rank: Rank) -> None:
     """Loop of ranks 1..N-1: receive a plan, run it, until a shutdown plan arrives. A failed
     collective is counted on this rank's group and ends the loop."""
@@ -218,6 +227,8 @@ def serve_plans(rank: Rank) -> None:
             if plan.shutdown:
                 break
             execute_plan(rank, plan)
+            if plan.share_sampled:
+                share_sampled(rank, plan)
     finally:
         rank.close()
     logger.info("rank %d stopping", rank.tp.rank)

@@ -70,6 +70,11 @@ class Request:
     prefill_leader: Optional["Request"] = None
     # Its place in its grammar (``params.structured``), on the sampling rank; None when done.
     grammar: Optional["RequestGrammar"] = None
+    # Tokens sampled on the device whose ids the host does not know yet (the overlapped step
+    # loop): the last ``num_pending`` entries of ``all_token_ids`` are placeholders (see
+    # ``add_pending``), and ``final_pending`` says the last of them ends the request by length.
+    num_pending: int = 0
+    final_pending: bool = False
 
     @property
     def waits_for_leader(self) -> bool:
@@ -87,6 +92,11 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows: all but the pending ones."""
+        return len(self.all_token_ids) - self.num_pending
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -101,9 +111,25 @@ class Request:
         self.output_token_ids.extend(output_token_ids)
         self.all_token_ids.extend(output_token_ids)
 
+    def add_pending(self, row: int, max_model_len: int) -> None:
+        """A token was sampled for this request in row ``row`` of a step's sampled ids, which
+        are still on the device. It counts as a token from now on (the next step computes it
+        from the device), standing in ``all_token_ids`` as ``placeholder(row)`` until
+        ``append_token`` gives its id."""
+        self.all_token_ids.append(placeholder(row))
+        self.num_pending += 1
+        self.final_pending = (len(self.output_token_ids) + self.num_pending
+                              >= self.params.max_tokens or self.num_tokens >= max_model_len)
+
     def append_token(self, sampled: SampledToken) -> None:
+        """The next output token; it takes the place of the oldest pending one if any."""
         self.output_token_ids.append(sampled.token_id)
-        self.all_token_ids.append(sampled.token_id)
+        if self.num_pending:
+            self.all_token_ids[len(self.all_token_ids) - self.num_pending] = sampled.token_id
+            self.num_pending -= 1
+            self.final_pending = self.final_pending and self.num_pending > 0
+        else:
+            self.all_token_ids.append(sampled.token_id)
         if self.params.logprobs is not None:
             self.output_logprobs.append(sampled)
         if self.first_token_time is None:
@@ -121,3 +147,14 @@ class Request:
         if num_output >= self.params.max_tokens:
             return FinishReason.LENGTH
         return None
+
+
+def placeholder(row: int) -> int:
+    """The stand-in id of a token sampled in row ``row`` of the previous step's sampled ids: a
+    negative number, which no tokenizer produces. The model runner takes the id from the device."""
+    return -1 - row
+
+
+def placeholder_row(token_id: int) -> int:
+    """The row of the previous step's sampled ids that ``placeholder`` ``token_id`` stands for."""
+    return -1 - token_id

@@ -6,8 +6,9 @@
    top-k / top-p / min-p (one sort for the rows that need it) and drawn by an exponential race:
    ``argmax(p / q)`` with ``q ~ Exp(1)`` drawn from the row's own generator, which picks token i
    with probability ``p_i`` and keeps a seeded request's draws independent of its batch.
-3. One device-to-host copy of the sampled ids (and one of the logprobs, when asked for); the
-   per-row parameters go to the device through pinned memory, without a host sync.
+3. The sampled ids (and the logprobs asked for) stay on the device (``sample_on_device``) until
+   the host reads them (``read_samples``; `workers.sample_copy` copies them without blocking);
+   the per-row parameters go to the device through pinned memory, without a host sync.
 
 Cost: O(rows x vocabulary) on the logits' device, plus O(history) for rows with penalties.
 """
@@ -32,16 +33,45 @@ class SampledToken:
     top_logprobs: Tuple[Tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True)
+class DeviceSamples:
+    """A step's sampled ids, and the logprobs its rows asked for, where they were computed (the
+    logits' device); ``read_samples`` turns them into ``SampledToken``s on the host."""
+
+    tokens: torch.Tensor  # [N] int64
+    params: Tuple[SamplingParams, ...]
+    chosen: Optional[torch.Tensor] = None  # [N] float32: log-probability of each sampled id
+    top_values: Optional[torch.Tensor] = None  # [N, k] float32: the k most likely, descending
+    top_ids: Optional[torch.Tensor] = None  # [N, k] int64
+
+    def map(self, fn) -> "DeviceSamples":
+        """The same samples with ``fn`` applied to each tensor (e.g. a copy to the host)."""
+        return DeviceSamples(fn(self.tokens), self.params,
+                             *(None if t is None else fn(t)
+                               for t in (self.chosen, self.top_values, self.top_ids)))
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator],
            histories: Optional[Sequence[History]] = None,
            eos_token_ids: Sequence[int] = (),
            mask: Optional[TokenMask] = None) -> List[SampledToken]:
+    """``sample_on_device``, read on the host at once (which waits for the device)."""
+    return read_samples(sample_on_device(logits, params, generators, histories, eos_token_ids,
+                                         mask))
+
+
+def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
+                     generators: Sequence[torch.Generator],
+                     histories: Optional[Sequence[History]] = None,
+                     eos_token_ids: Sequence[int] = (),
+                     mask: Optional[TokenMask] = None) -> DeviceSamples:
     """One token per row of ``logits`` ``[N, V]``, row i drawn with ``generators[i]`` (on the
-    logits' device). ``histories[i]`` (prompt ids, output ids) is needed by rows with penalties
-    or ``min_tokens``; ``eos_token_ids`` are what ``min_tokens`` holds back. ``mask``: the
-    tokens each constrained row may take, applied after logit processing and before greedy or
-    random choice (logprobs stay those of the raw logits)."""
+    logits' device), left on that device: nothing here waits for it. ``histories[i]`` (prompt
+    ids, output ids) is needed by rows with penalties or ``min_tokens``; ``eos_token_ids`` are
+    what ``min_tokens`` holds back. ``mask``: the tokens each constrained row may take, applied
+    after logit processing and before greedy or random choice (logprobs stay those of the raw
+    logits)."""
     raw = logits.float()
     logits = raw
     if any(p.processes_logits for p in params):
@@ -59,10 +89,25 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         drawn = _draw(logits[rows], [params[i] for i in drawn_rows],
                       [generators[i] for i in drawn_rows])
         tokens = tokens.index_copy(0, rows, drawn)
-    token_ids = tokens.tolist()
     if all(p.logprobs is None for p in params):
+        return DeviceSamples(tokens, tuple(params))
+    return _with_logprobs(raw, tokens, params)
+
+
+def read_samples(samples: DeviceSamples) -> List[SampledToken]:
+    """``samples`` as tokens on the host (a copy from the device, which waits for it, unless the
+    tensors are on the host already)."""
+    token_ids = samples.tokens.tolist()
+    if samples.chosen is None:
         return [SampledToken(t) for t in token_ids]
-    return _with_logprobs(raw, tokens, token_ids, params)
+    chosen = samples.chosen.tolist()
+    tops: List[List[Tuple[int, float]]] = [[] for _ in token_ids]
+    if samples.top_ids is not None and samples.top_values is not None:
+        tops = [list(zip(i, v)) for i, v in zip(samples.top_ids.tolist(),
+                                                samples.top_values.tolist())]
+    return [SampledToken(token) if p.logprobs is None
+            else SampledToken(token, chosen[row], tuple(tops[row][:p.logprobs]))
+            for row, (token, p) in enumerate(zip(token_ids, samples.params))]
 
 
 def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -114,16 +159,13 @@ def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     return logits.scatter(1, order, sorted_logits)
 
 
-def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_ids: List[int],
-                   params: Sequence[SamplingParams]) -> List[SampledToken]:
+def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor,
+                   params: Sequence[SamplingParams]) -> DeviceSamples:
     """Log-probabilities of the raw model output (before any processing), as vLLM returns."""
     logprobs = torch.log_softmax(raw, dim=-1)
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     k = max(p.logprobs or 0 for p in params)
-    tops: List[List[Tuple[int, float]]] = [[] for _ in params]
-    if k:
-        values, ids = logprobs.topk(k, dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    return [SampledToken(token) if p.logprobs is None
-            else SampledToken(token, chosen[row], tuple(tops[row][:p.logprobs]))
-            for row, (token, p) in enumerate(zip(token_ids, params))]
+    if not k:
+        return DeviceSamples(tokens, tuple(params), chosen)
+    values, ids = logprobs.topk(k, dim=-1)
+    return DeviceSamples(tokens, tuple(params), chosen, values, ids)

@@ -22,6 +22,11 @@ When every layer of the model has the same sliding window, a running request's l
 are freed once they left the window of its next token (no layer reads them again; the attention
 gathers only the window), so a long decode holds about ``window / block_size + 2`` blocks.
 
+With the overlapped step loop a request may carry tokens sampled on the device whose ids the host
+does not know yet (``Request.num_pending``): they count as tokens to compute (the ranks take their
+ids from the device), are never hashed or cached until known, and a request whose last pending
+token ends it is not scheduled again.
+
 Guarantees: never a crash or a deadlock on a full pool (a request that cannot fit even alone is
 finished with ``length``); a request sampled only when its last token was computed.
 Cost per step: O(scheduled requests + blocks allocated).
@@ -122,8 +127,8 @@ class Scheduler:
         finished: List[Request] = []
         preemptions_before = self.num_preemptions
         for request in list(self.running):
-            if budget == 0 or request.status != RequestStatus.RUNNING:
-                continue
+            if budget == 0 or request.status != RequestStatus.RUNNING or request.final_pending:
+                continue  # a final pending token: the request ends once its id is known
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self._grow_or_preempt(request, num_new, finished):
                 steps.append(self._seq_step(request, num_new))
@@ -195,6 +200,8 @@ class Scheduler:
             victim = self.running[-1]
             if victim is request and len(self.running) == 1 and self.loading:
                 return False  # loading requests hold blocks; once they run they can be preempted
+            if victim is request and len(self.running) == 1 and request.num_pending:
+                return False  # its sampled tokens count: it ends once the host knows them
             if victim is request and len(self.running) == 1:
                 logger.warning("request %s needs %d tokens of KV, more than the pool holds; "
                                "finishing it", request.request_id, target)
@@ -246,6 +253,8 @@ class Scheduler:
         while (self.waiting and budget > 0
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.num_pending:
+                break  # preempted with a token in flight: admitted once its id is known
             if request.waits_for_leader:
                 held_back.append(self.waiting.popleft())
                 continue
@@ -363,7 +372,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += num_new
-            extend_block_hashes(request.block_hashes, request.all_token_ids, self.kv.block_size)
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.kv.block_size,
+                                request.num_known_tokens)
             self.kv.cache_full_blocks(request.request_id, request.all_token_ids,
                                       request.block_hashes, request.num_computed_tokens)
             if self.config.sliding_window is not None:

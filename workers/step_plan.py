@@ -2,7 +2,8 @@
 
 New sequences go in full (their tokens to compute, the cached length, the whole block table);
 known ones as diffs (this step's tokens, the blocks added since the last step). Every rank keeps a
-mirror of the block tables, so a decode step costs a few bytes per sequence.
+mirror of the block tables, so a decode step costs a few bytes per sequence. A token whose id only
+the device knows yet (sampled by the previous step) travels as a placeholder (a negative id).
 """
 
 from __future__ import annotations
@@ -44,13 +45,17 @@ class StepPlan:
     ``tier_ops`` are queued on every rank's transfer engine before the model runs.
     ``wait_spill_reads``: the model writes a block a queued spill may still be reading, so the
     ranks first wait for the device side of their spills. ``wait_transfers``: the ranks wait for
-    every queued transfer before agreeing on what finished (a step with nothing to run)."""
+    every queued transfer before agreeing on what finished (a step with nothing to run).
+    ``share_sampled``: once the model has run, rank 0 broadcasts the ids it sampled (one per
+    sequence with ``needs_logits``, in plan order) over the device group; a later plan's
+    placeholder ids (`workers.request.placeholder`) name their rows."""
 
     seqs: Tuple[SeqStep, ...] = ()
     freed_ids: Tuple[int, ...] = ()
     tier_ops: Tuple[TierOp, ...] = ()
     wait_spill_reads: bool = False
     wait_transfers: bool = False
+    share_sampled: bool = False
     shutdown: bool = False
 
     @property

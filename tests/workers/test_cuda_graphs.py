@@ -40,13 +40,16 @@ def engine(model_dir, **kwargs):
 
 
 @needs_triton
-def test_padded_static_decodes_match_transformers(tiny_llama):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_padded_static_decodes_match_transformers(tiny_llama, overlap):
     """5 sequences pad to a batch of 8, then fewer as they finish at different lengths; the
-    padded rows write into the scratch block and never disturb a real block."""
+    padded rows write into the scratch block and never disturb a real block. Overlapped
+    (``async_scheduling``): each step's ids are written into the graph's input buffer from the
+    previous step's samples on the device."""
     reference = hf_greedy(tiny_llama, PROMPTS, MAX_NEW)
     params = [SamplingParams(max_tokens=MAX_NEW - i % 3, temperature=0.0)
               for i in range(len(PROMPTS))]
-    with engine(tiny_llama) as llm:
+    with engine(tiny_llama, async_scheduling=overlap) as llm:
         runner = llm.engine.rank.runner
         assert runner.kv_cache.scratch_block == 96
         runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.tables,

@@ -40,9 +40,10 @@ def reference(big_pool):
 
 def test_preempted_and_chunked_constrained_requests_finish_as_alone(smollm2_tiny, reference):
     # 3 requests of about 40 tokens in a pool of 24 blocks of 4: they preempt one another;
-    # prompts of 14+ tokens in steps of 8 tokens: every prefill is chunked.
+    # prompts of 14+ tokens in steps of 8 tokens: every prefill is chunked. The overlapped
+    # loop (the reference ran serially) reads a constrained request's ids before scheduling it.
     config = EngineConfig(model=str(smollm2_tiny), block_size=4, num_kv_blocks=24,
-                          max_model_len=96, max_num_batched_tokens=8)
+                          max_model_len=96, max_num_batched_tokens=8, async_scheduling=True)
     with LLM(config) as llm:
         outs = llm.generate(PROMPTS, params())
         assert llm.engine.scheduler.num_preemptions > 0
