@@ -60,6 +60,8 @@ SECTIONS = (
     # the headline figures before the longer checks, inside the time budget whatever they take
     ("throughput", "scripts.gpu.throughput", "check_throughput",
      "tpserve vs transformers generate, and vs the device's limit"),
+    ("decode_steady", "scripts.gpu.decode_steady", "check_decode_steady",
+     "decode-heavy batches, serial vs overlapped step loop: ms/step, GPU busy, host syncs"),
     ("memory_sizing", "scripts.gpu.memory", "check_memory_sizing",
      "--gpu-memory-utilization: the KV pool sized from free memory, and held to it"),
     ("triton_attention", "scripts.gpu.attention", "check_triton_attention",

@@ -16,7 +16,7 @@ import torch
 from bench_scripts import load_script, run_script
 
 SECTIONS = {"greedy_parity", "sampling", "triton_attention", "tier_copies", "throughput",
-            "memory_sizing", "fused_kernels"}
+            "decode_steady", "memory_sizing", "fused_kernels"}
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,12 @@ def test_cpu_quick_run_passes_every_check_it_runs(tmp_path):
                 "hf_generate_tokens_per_s"):
         assert throughput[key] > 0
     assert report["sections"]["tier_copies"]["figures"]["checksum_gbps"] > 0
+    steady = report["sections"]["decode_steady"]
+    assert len(steady["checks"]) == 6 and all(steady["checks"].values()), steady
+    for batch in (4, 8):
+        assert steady["figures"][f"b{batch}.overlap_speedup"] > 0
+        for loop in ("serial", "overlapped"):
+            assert steady["figures"][f"b{batch}.{loop}.ms_per_step"] > 0
     assert report["sections"]["memory_sizing"]["checks"] == {"refused on CPU by name": True}
     fused = report["sections"]["fused_kernels"]
     assert fused["status"] == "passed" and len(fused["checks"]) == 7, fused
