@@ -373,9 +373,9 @@ class LLMEngine:
         if self._keepalive is not None:
             self._keepalive.close()  # from here on only this thread broadcasts
         try:
-            if self._launched is not None:
+            if self._launched is not None and not failed:
                 self._launched.copy.wait()  # its host buffers stay until the copy is done
-                self._launched = None
+            self._launched = None
             self._drain_transfers()
             self._maybe_snapshot(force=True)
             self._drain_transfers()

@@ -72,6 +72,10 @@ def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
     what ``min_tokens`` holds back. ``mask``: the tokens each constrained row may take, applied
     after logit processing and before greedy or random choice (logprobs stay those of the raw
     logits)."""
+    if mask is None and all(p.is_greedy and p.logprobs is None and not p.processes_logits
+                            for p in params):
+        # Widening to fp32 keeps every value and so the first maximum: no copy needed.
+        return DeviceSamples(logits.argmax(dim=-1), tuple(params))
     raw = logits.float()
     logits = raw
     if any(p.processes_logits for p in params):

@@ -19,6 +19,16 @@ def test_greedy_is_argmax_per_row():
     assert [t.token_id for t in out] == [1, 0]
 
 
+def test_greedy_rows_of_bf16_logits_take_the_first_maximum_as_in_fp32():
+    # bf16 has few values: rows with tied maxima, where the first one must win in any dtype.
+    logits = (torch.randn(64, 300, generator=gen(1)) * 4).round().to(torch.bfloat16)
+    greedy = [SamplingParams(temperature=0.0)] * 64
+    ids = [t.token_id for t in sample(logits, greedy, [gen()] * 64)]
+    assert ids == logits.float().argmax(-1).tolist()
+    with_logprobs = [SamplingParams(temperature=0.0, logprobs=0)] * 64  # through fp32
+    assert [t.token_id for t in sample(logits, with_logprobs, [gen()] * 64)] == ids
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy_at_any_temperature():
     logits = torch.randn(4, 50, generator=gen(3))
     for params in (SamplingParams(temperature=5.0, top_k=1),
