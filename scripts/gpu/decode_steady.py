@@ -3,7 +3,7 @@ the overlapped step loop (``async_scheduling``), and where a decode step's time 
 
 On CUDA: the throughput section's Llama-3.2-1B-shaped checkpoint in bf16, batches of 64 and 256
 requests of 256 prompt and 512 output tokens (``ignore_eos``, greedy), every request submitted at
-once; with ``--quick`` a tiny model and batches of 4 and 8 of 16 / 24 tokens. One engine serves
+once; with ``--quick`` a tiny model and one batch of 4 of 16 / 16 tokens. One engine serves
 every run (decode graphs captured once, up to the largest batch); each loop first runs the same
 lengths with other token ids, so no timed step compiles or captures anything. Per batch and loop:
 
@@ -53,8 +53,8 @@ class SteadyPlan:
 
 def plan_for(ctx: CheckContext) -> SteadyPlan:
     if ctx.quick:
-        return SteadyPlan(TINY_TIED, torch.bfloat16 if ctx.is_cuda else torch.float32, (4, 8),
-                          16, 24)
+        return SteadyPlan(TINY_TIED, torch.bfloat16 if ctx.is_cuda else torch.float32, (4,),
+                          16, 16)
     return SteadyPlan(LLAMA_1B, torch.bfloat16, (64, 256), 256, 512)
 
 

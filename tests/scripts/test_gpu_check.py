@@ -47,11 +47,10 @@ def test_cpu_quick_run_passes_every_check_it_runs(tmp_path):
         assert throughput[key] > 0
     assert report["sections"]["tier_copies"]["figures"]["checksum_gbps"] > 0
     steady = report["sections"]["decode_steady"]
-    assert len(steady["checks"]) == 6 and all(steady["checks"].values()), steady
-    for batch in (4, 8):
-        assert steady["figures"][f"b{batch}.overlap_speedup"] > 0
-        for loop in ("serial", "overlapped"):
-            assert steady["figures"][f"b{batch}.{loop}.ms_per_step"] > 0
+    assert len(steady["checks"]) == 3 and all(steady["checks"].values()), steady
+    assert steady["figures"]["b4.overlap_speedup"] > 0
+    for loop in ("serial", "overlapped"):
+        assert steady["figures"][f"b4.{loop}.ms_per_step"] > 0
     assert report["sections"]["memory_sizing"]["checks"] == {"refused on CPU by name": True}
     fused = report["sections"]["fused_kernels"]
     assert fused["status"] == "passed" and len(fused["checks"]) == 7, fused
