@@ -12,6 +12,7 @@ figures come from the JSON export aiperf writes into the run's artifact director
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -94,13 +95,19 @@ def run_aiperf(executable: Path, load: AiperfLoad, server_url: str, artifacts: P
     with open(log, "w") as out:
         try:
             proc = subprocess.run(load.command(executable, server_url, artifacts), stdout=out,
-                                  stderr=subprocess.STDOUT, timeout=timeout_s)
+                                  stderr=subprocess.STDOUT, timeout=timeout_s, env=_env())
         except subprocess.TimeoutExpired:
             raise AiperfError(f"aiperf ran past {timeout_s:.0f} s (log: {log})") from None
     if proc.returncode != 0 or not (artifacts / EXPORT).is_file():
         reason = last_error_line(log.read_text(errors="replace").splitlines())
         raise AiperfError(f"aiperf failed (exit {proc.returncode}): {reason} (log: {log})")
     return export_figures(json.loads((artifacts / EXPORT).read_text()))
+
+
+def _env() -> Dict[str, str]:
+    """aiperf's environment: without ``HF_HUB_OFFLINE``, under which its tokenizer loader takes
+    a local checkpoint directory for a Hub repository id and fails."""
+    return {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
 
 
 def export_figures(export: Dict) -> Dict[str, Optional[float]]:

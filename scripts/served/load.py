@@ -24,6 +24,7 @@ class RequestResult:
     num_output_tokens: int
     num_prompt_tokens: int
     error: Optional[str] = None
+    num_chunks: int = 0  # stream chunks that carried content
 
     @property
     def itl_s(self) -> Optional[float]:
@@ -52,6 +53,8 @@ class LoadResult:
         return {"output_tok_s": sum(r.num_output_tokens for r in ok) / self.wall_s,
                 "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
                 "itl_p50_s": percentile(itls, 50),
+                "tokens_per_chunk": sum(r.num_output_tokens for r in ok)
+                / max(1, sum(r.num_chunks for r in ok)),
                 "num_requests": len(self.results), "num_failed": len(self.results) - len(ok),
                 "mean_prompt_tokens": statistics.fmean(r.num_prompt_tokens for r in ok)
                 if ok else None,
@@ -73,7 +76,7 @@ async def one_request(client, model: str, content: str, max_tokens: int) -> Requ
     """One streamed chat completion, timed."""
     started = time.perf_counter()
     first = last = None
-    num_output = num_prompt = 0
+    num_output = num_prompt = num_chunks = 0
     try:
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": content}],
@@ -83,13 +86,15 @@ async def one_request(client, model: str, content: str, max_tokens: int) -> Requ
             if chunk.choices and chunk.choices[0].delta.content:
                 last = time.perf_counter()
                 first = first or last
+                num_chunks += 1
             if chunk.usage is not None:
                 num_output, num_prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
     except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
         return RequestResult(0.0, 0.0, 0, 0, f"{type(exc).__name__}: {exc}")
     if first is None or num_output == 0:
         return RequestResult(0.0, 0.0, 0, 0, "no content or no usage chunk in the stream")
-    return RequestResult(first - started, last - started, num_output, num_prompt)
+    return RequestResult(first - started, last - started, num_output, num_prompt, None,
+                         num_chunks)
 
 
 async def run_load(base_url: str, model: str, contents: Sequence[str], max_tokens: int,

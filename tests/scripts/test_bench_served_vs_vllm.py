@@ -112,10 +112,12 @@ def test_client_figures_time_tokens_not_chunks():
     from scripts.served.load import LoadResult, RequestResult, percentile
 
     # 64 tokens, the first at 0.5 s and the last at 6.8 s, whatever the chunks carried.
-    result = RequestResult(ttft_s=0.5, latency_s=6.8, num_output_tokens=64, num_prompt_tokens=9)
+    result = RequestResult(ttft_s=0.5, latency_s=6.8, num_output_tokens=64, num_prompt_tokens=9,
+                           num_chunks=32)
     assert result.itl_s == pytest.approx(0.1)
     figures = LoadResult([result, RequestResult(0, 0, 0, 0, "boom")], wall_s=2.0).figures()
     assert figures["output_tok_s"] == 32 and figures["num_failed"] == 1
+    assert figures["tokens_per_chunk"] == 2
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 99) is None
 
 
