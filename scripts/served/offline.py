@@ -58,4 +58,5 @@ def offline_figures(done: Sequence[tuple], wall_s: float) -> Dict[str, float]:
     results = [RequestResult(ttft, latency, n, 0) for ttft, latency, n in done]
     figures = LoadResult(results, wall_s).figures()
     figures.pop("mean_prompt_tokens")
+    figures.pop("tokens_per_chunk")  # no stream chunks offline
     return figures

@@ -61,7 +61,7 @@ def vllm_spec(python: str, model_dir: Path, served_name: str, port: int, log: Pa
     ``kv_gb`` GiB and its context ``max_model_len`` (tpserve's)."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
-               "--max-model-len", str(max_model_len), "--disable-log-requests", *extra_args]
+               "--max-model-len", str(max_model_len), *extra_args]
     return ServerSpec("vllm", command, port, log, {"VLLM_CPU_KVCACHE_SPACE": str(kv_gb)})
 
 
