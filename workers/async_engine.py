@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -120,12 +121,14 @@ class AsyncLLMEngine:
             self._commands.put(("add", (prompt, params, request_id, num_tokens,
                                         tuple(resume_output_ids), grammar), added))
         num_unfinished = params.n  # the stream ends when every choice has finished
+        held: Deque[Union[RequestOutput, BaseException]] = collections.deque()
         try:
             await asyncio.wrap_future(added)  # raises ValueError on bad input
             while num_unfinished:
-                item = await outputs.get()
+                item = held.popleft() if held else await outputs.get()
                 if isinstance(item, BaseException):
                     raise item
+                item = _merge_queued(item, outputs, held)
                 num_unfinished -= item.finished
                 yield item
         finally:
@@ -231,11 +234,17 @@ class AsyncLLMEngine:
             self.engine.abort(args[0])
 
     def _deliver(self, outputs: List[RequestOutput]) -> None:
+        """A step's outputs to their streams: one wake-up per event loop per step, carrying
+        all of that loop's outputs (a wake-up per output would make the loop's thread contend
+        for the GIL with this one once per request and step)."""
+        by_loop: Dict[asyncio.AbstractEventLoop, List[Tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 loop, q = stream
-                loop.call_soon_threadsafe(q.put_nowait, out)
+                by_loop.setdefault(loop, []).append((q, out))
+        for loop, handed in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, handed)
 
     def _fail_all(self, error: BaseException) -> None:
         for loop, q in list(self._streams.values()):
@@ -270,3 +279,30 @@ class AsyncLLMEngine:
             cached_block_hashes=tuple(sched.kv.cached_hashes(self._max_cached_hashes)),
             accepted_ids=accepted_ids,
         )
+
+
+def _put_all(handed: List[Tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in handed:
+        q.put_nowait(out)
+
+
+def _merge_queued(first: RequestOutput, outputs: asyncio.Queue,
+                  held: Deque[Union[RequestOutput, BaseException]]) -> RequestOutput:
+    """``first`` and the outputs of the same choice queued right behind it, as one (a stream
+    read less often than the engine steps gets one output per read, not one per step); the
+    first item that cannot join (another choice, an error) is put in ``held``."""
+    while not first.finished and not outputs.empty():
+        later = outputs.get_nowait()
+        if isinstance(later, BaseException) or later.index != first.index:
+            held.append(later)
+            break
+        first = merge_outputs(first, later)
+    return first
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one choice as the one output a single step producing both
+    steps' tokens would have given: the cumulative fields are ``later``'s, the new tokens and
+    text both's."""
+    return dataclasses.replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids,
+                               delta_text=earlier.delta_text + later.delta_text)
