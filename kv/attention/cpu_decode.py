@@ -67,6 +67,14 @@ class DecodeKernel:
             fn.restype = ctypes.c_int
             fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6
                            + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
+        self._set_avx512 = library.tpserve_paged_decode_set_avx512
+        self._set_avx512.restype = ctypes.c_int
+        self._set_avx512.argtypes = [ctypes.c_int]
+
+    def allow_avx512(self, allowed: bool) -> bool:
+        """Let later calls take the kernel's AVX-512 path where the CPU has it (True, the
+        default), or keep them on its portable path (False); returns the previous setting."""
+        return bool(self._set_avx512(int(allowed)))
 
     def accepts(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """True for fp32 or bf16 CPU queries over contiguous CPU caches ``[slots, Hkv, D]`` of

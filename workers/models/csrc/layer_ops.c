@@ -1,0 +1,120 @@
+/* A decoder layer's elementwise work on CPU in bf16, one call each instead of a handful of
+ * PyTorch ops: residual add + RMSNorm, SiLU-and-multiply, RoPE of q and k with the paged K/V
+ * cache write. Each rounds to bf16 exactly where the PyTorch expressions of
+ * workers/models/layer_ops.py round (every op computes in fp32 and rounds its result to bf16,
+ * to nearest even), so the results equal theirs but for the order of RMSNorm's sum of squares
+ * and the last bit of SiLU's exp. Small calls run on the calling thread (no OpenMP fork: on 2
+ * cores a forked op waits for the other core, which the step's matmuls or another process may
+ * hold); calls of at least PARALLEL_MIN elements split their rows over num_threads threads.
+ *
+ * Called through ctypes by workers/models/cpu_layer_kernels.py, which compiles it at first use
+ * (-O3 -march=native -fopenmp -ffast-math: exp vectorized through libmvec) and checks it against
+ * the PyTorch expressions before the model uses it.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PARALLEL_MIN (1 << 18)
+
+static inline float from_bf16(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* Round to nearest even, as c10::BFloat16 does (NaN stays a quiet NaN). */
+static inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  if (f != f) return 0x7fc0;
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return (uint16_t)(bits >> 16);
+}
+
+static inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
+
+/* sum = x + residual (bf16; residual NULL: sum = x, not written), norm = weight * bf16(sum *
+ * rsqrt(mean(sum^2) + eps)): rows of H, T rows. */
+void tpserve_add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual,
+                               const uint16_t *weight, float eps, int64_t T, int64_t H,
+                               uint16_t *sum, uint16_t *norm, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (T * H >= PARALLEL_MIN) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    const uint16_t *xr = x + t * H;
+    uint16_t *sr = residual ? sum + t * H : (uint16_t *)xr;
+    float squares = 0.f;
+    if (residual) {
+      const uint16_t *rr = residual + t * H;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < H; i++) {
+        const uint16_t s = to_bf16(from_bf16(xr[i]) + from_bf16(rr[i]));
+        sr[i] = s;
+        squares += from_bf16(s) * from_bf16(s);
+      }
+    } else {
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < H; i++) squares += from_bf16(xr[i]) * from_bf16(xr[i]);
+    }
+    const float inv = 1.f / sqrtf(squares / (float)H + eps);
+    uint16_t *nr = norm + t * H;
+#pragma omp simd
+    for (int64_t i = 0; i < H; i++)
+      nr[i] = to_bf16(from_bf16(weight[i]) * round_bf16(from_bf16(sr[i]) * inv));
+  }
+}
+
+/* out [T, I] = bf16(silu(gate)) * up, gate_up [T, 2 I] holding gate then up. */
+void tpserve_silu_mul_bf16(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *out,
+                           int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (T * I >= PARALLEL_MIN) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    const uint16_t *gate = gate_up + t * 2 * I, *up = gate + I;
+    uint16_t *o = out + t * I;
+#pragma omp simd
+    for (int64_t i = 0; i < I; i++) {
+      const float g = from_bf16(gate[i]);
+      const float silu = round_bf16(g / (1.f + expf(-g)));
+      o[i] = to_bf16(silu * from_bf16(up[i]));
+    }
+  }
+}
+
+/* q and k heads of qkv [T, (Hq + 2 Hkv) * D] rotated in place: x * cos + rotate_half(x) * sin,
+ * each product and the sum rounded to bf16, cos/sin [T, D] (bf16); then k and v of token t
+ * copied to slot slots[t] of k_cache/v_cache [S, Hkv, D]. Returns 0, or -1 for a slot outside
+ * [0, S) (nothing of that token stored). */
+int tpserve_rope_write_kv_bf16(uint16_t *qkv, const uint16_t *cos, const uint16_t *sin,
+                               const int64_t *slots, uint16_t *k_cache, uint16_t *v_cache,
+                               int64_t S, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                               int num_threads) {
+  const int64_t row = (Hq + 2 * Hkv) * D, half = D / 2;
+  int status = 0;
+#pragma omp parallel for num_threads(num_threads) if (T * row >= PARALLEL_MIN) schedule(static)
+  for (int64_t t = 0; t < T; t++) {
+    uint16_t *r = qkv + t * row;
+    const uint16_t *c = cos + t * D, *s = sin + t * D;
+    for (int64_t head = 0; head < Hq + Hkv; head++) {
+      uint16_t *x = r + head * D;
+      float rotated[512];
+#pragma omp simd
+      for (int64_t i = 0; i < D; i++) {
+        const float xi = from_bf16(x[i]);
+        const float other = i < half ? -from_bf16(x[i + half]) : from_bf16(x[i - half]);
+        rotated[i] = round_bf16(round_bf16(xi * from_bf16(c[i])) +
+                                round_bf16(other * from_bf16(s[i])));
+      }
+      for (int64_t i = 0; i < D; i++) x[i] = to_bf16(rotated[i]);
+    }
+    const int64_t slot = slots[t];
+    if (slot < 0 || slot >= S) {
+#pragma omp atomic write
+      status = -1;
+      continue;
+    }
+    memcpy(k_cache + slot * Hkv * D, r + Hq * D, sizeof(uint16_t) * Hkv * D);
+    memcpy(v_cache + slot * Hkv * D, r + (Hq + Hkv) * D, sizeof(uint16_t) * Hkv * D);
+  }
+  return status;
+}
