@@ -142,16 +142,14 @@ def fused_kernels_default(device: torch.device, dtype: torch.dtype) -> bool:
 
 def layer_ops(device: torch.device, dtype: torch.dtype,
               fused: Optional[bool] = None) -> TorchLayerOps:
-    """The ops a model on ``device`` runs: ``fused`` True or False forces the choice of Triton
-    (the tests run its kernels on CPU under Triton's interpreter), None takes
-    `fused_kernels_default`. Without Triton, bf16 on CPU runs the C kernels where they load
-    (`workers.models.cpu_layer_kernels.layer_kernels`), the rest the PyTorch expressions."""
-    if fused is None:
-        fused = fused_kernels_default(device, dtype)
-    if fused:
-        return TritonLayerOps()
-    if device.type == "cpu" and dtype == torch.bfloat16:
+    """The ops a model on ``device`` runs: ``fused`` True forces the Triton kernels (the tests
+    run them on CPU under Triton's interpreter), False the PyTorch expressions; None takes
+    `fused_kernels_default`, and on CPU in bf16 the C kernels where they load
+    (`workers.models.cpu_layer_kernels.layer_kernels`)."""
+    if fused is None and device.type == "cpu" and dtype == torch.bfloat16:
         kernels = importlib.import_module("workers.models.cpu_layer_kernels").layer_kernels()
         if kernels is not None:
             return CpuBf16LayerOps(kernels)
-    return TorchLayerOps()
+    if fused is None:
+        fused = fused_kernels_default(device, dtype)
+    return TritonLayerOps() if fused else TorchLayerOps()

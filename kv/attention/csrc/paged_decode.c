@@ -454,3 +454,56 @@ int tpserve_paged_decode_bf16(const float *q, const uint16_t *k_cache, const uin
   in.avx512 = use_avx512(&in);
   return paged_decode(&in, B, num_threads, out);
 }
+
+/* The decodes of a flat batch in place: query row rows[b] (H * D values from query +
+ * rows[b] * query_stride elements, heads side by side) attends as sequence b, and its output
+ * is written to out + rows[b] * out_stride; query and out hold elem_bytes-sized values (4: fp32,
+ * 2: bf16, rounded to nearest even), like the caches. Returns paged_decode's codes, and -1 for
+ * a row outside [0, T). */
+static int decode_rows(const void *query, int64_t query_stride, const int64_t *rows, int64_t T,
+                       const void *k_cache, const void *v_cache, const int64_t *slots,
+                       const uint8_t *valid, int64_t S, int64_t B, int64_t K, int64_t Hkv,
+                       int64_t G, int64_t D, float scale, int num_threads, void *out,
+                       int64_t out_stride, int64_t elem_bytes) {
+  const int64_t width = Hkv * G * D;
+  for (int64_t b = 0; b < B; b++)
+    if (rows[b] < 0 || rows[b] >= T) return -1;
+  float *q = malloc(sizeof(float) * (2 * B * width + 1));
+  if (!q) return -1;
+  float *result = q + B * width;
+  for (int64_t b = 0; b < B; b++) {
+    if (elem_bytes == 4)
+      memcpy(q + b * width, (const float *)query + rows[b] * query_stride, sizeof(float) * width);
+    else
+      widen_bf16((const uint16_t *)query + rows[b] * query_stride, width, q + b * width);
+  }
+  Inputs in = {q, k_cache, v_cache, slots, valid, S, K, Hkv, G, D, scale, elem_bytes, 0};
+  in.avx512 = use_avx512(&in);
+  const int status = paged_decode(&in, B, num_threads, result);
+  for (int64_t b = 0; status == 0 && b < B; b++) {
+    const float *r = result + b * width;
+    if (elem_bytes == 4) {
+      memcpy((float *)out + rows[b] * out_stride, r, sizeof(float) * width);
+      continue;
+    }
+    uint16_t *o = (uint16_t *)out + rows[b] * out_stride;
+    for (int64_t i = 0; i < width; i++) {
+      uint32_t bits;
+      memcpy(&bits, &r[i], sizeof bits);
+      o[i] = r[i] != r[i] ? 0x7fc0 : (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    }
+  }
+  free(q);
+  return status;
+}
+
+int tpserve_paged_decode_rows(const void *query, int64_t query_stride, const int64_t *rows,
+                              int64_t T, const void *k_cache, const void *v_cache,
+                              const int64_t *slots, const uint8_t *valid, int64_t S, int64_t B,
+                              int64_t K, int64_t Hkv, int64_t G, int64_t D, float scale,
+                              int num_threads, void *out, int64_t out_stride,
+                              int64_t elem_bytes) {
+  if (elem_bytes != 4 && elem_bytes != 2) return -1;
+  return decode_rows(query, query_stride, rows, T, k_cache, v_cache, slots, valid, S, B, K, Hkv,
+                     G, D, scale, num_threads, out, out_stride, elem_bytes);
+}
