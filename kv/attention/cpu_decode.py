@@ -10,7 +10,10 @@ When it runs: the ``torch`` attention backend's decode-only buckets, on CPU, wit
 queries over caches of the same dtype laid out ``[slots, Hkv, D]`` contiguously. Anything else
 (CUDA, fp16, prefills) takes the PyTorch path. bf16 caches are read as bf16 (half the bytes of
 fp32) and widened to fp32 tile by tile; queries, scores, softmax and sums are fp32 in both, and a
-bf16 query's output is rounded to bf16 once at the end. The results are fp32 sums in another
+bf16 query's output is rounded to bf16 once at the end. On CPUs with AVX-512 (bf16: and AVX-512
+BF16) an AVX-512 path of the same library runs instead (`DecodeKernel.allow_avx512`): bf16
+scores by VDPBF16PS (exact products, fp32 sums). The backend calls `DecodeKernel.attend_rows`,
+which reads the step's query rows and writes its output rows in place. The results are fp32 sums in another
 order than SDPA's: within 1e-6 of it on unit-scale fp32 inputs, not bitwise equal.
 
 Building: ``setup.py`` compiles it into ``kv/attention/libpaged_decode.so`` (``-O3 -fopenmp

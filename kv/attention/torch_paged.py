@@ -1,7 +1,8 @@
 """Paged attention over block tables in plain PyTorch (runs on CPU and CUDA alike).
 
-Decodes: on CPU in fp32, a C kernel reads each sequence's keys and values where they lie in the
-cache (``kv/attention/cpu_decode.py``). Elsewhere, queries and the keys/values of every visible cached
+Decodes: on CPU in fp32 or bf16, a C kernel reads each sequence's keys and values where they lie
+in the cache, and the step's query and output rows in place (``kv/attention/cpu_decode.py``).
+Elsewhere, queries and the keys/values of every visible cached
 position are gathered into padded dense tensors and attended with one
 ``scaled_dot_product_attention`` call. Grouped-query attention never repeats K/V there: the ``G``
 query heads that share a KV head are folded into the query length, ``[B, Hkv, G, D]``, so a KV

@@ -1,6 +1,5 @@
 """The bf16 CPU layer kernels (``workers/models/csrc/layer_ops.c``) give the PyTorch expressions'
-values: add + RMSNorm and RoPE with the cache write bit for bit, SiLU-and-multiply but for
-the last bit of exp where it crosses a bf16 rounding boundary."""
+values bit for bit: add + RMSNorm, SiLU-and-multiply, RoPE with the cache write."""
 
 import pytest
 import torch
@@ -35,14 +34,12 @@ def test_add_rms_norm_equals_the_expressions(ops, num_tokens, with_residual):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("num_tokens", [1, 64, 200])
-def test_silu_and_mul_equals_the_expressions_but_for_rare_last_bits(ops, num_tokens):
+@pytest.mark.parametrize("num_tokens, scale", [(1, 3.0), (64, 3.0), (200, 40.0)])
+def test_silu_and_mul_equals_the_expressions(ops, num_tokens, scale):
+    """Gates far out too (40 sigma: exp over- and underflowing)."""
     kernel, torch_ops = ops
-    gate_up = _randn(num_tokens, 2 * 1536, seed=4, scale=3.0)
-    got, want = kernel.silu_and_mul(gate_up).float(), torch_ops.silu_and_mul(gate_up).float()
-    assert (got != want).float().mean().item() < 1e-3
-    # one bf16 step of SiLU, carried through the product and its rounding
-    assert bool(((got - want).abs() <= want.abs() * 2 ** -6).all())
+    gate_up = _randn(num_tokens, 2 * 1536, seed=4, scale=scale)
+    assert torch.equal(kernel.silu_and_mul(gate_up), torch_ops.silu_and_mul(gate_up))
 
 
 @pytest.mark.parametrize("num_tokens", [1, 48])

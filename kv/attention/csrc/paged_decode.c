@@ -15,6 +15,11 @@
  * 32 decodes of ~100 keys took 0.80x the time they took without prefetching, 0.88x with one
  * tile ahead: scripts/bench_cpu_decode.py, docs/benchmarks/cpu-decode.md).
  *
+ * On x86-64 CPUs with AVX-512 (and AVX-512 BF16 for bf16 caches) a tile's keys are attended by
+ * the AVX-512 path below instead, compiled for those instructions whatever the build's -march and
+ * chosen at run time. tpserve_paged_decode_rows reads the queries and writes the outputs of a
+ * flat batch's decodes where they lie (fp32 or bf16, like the caches).
+ *
  * Called through ctypes by kv/attention/cpu_decode.py. setup.py compiles it with the package
  * (-O3 -march=x86-64-v3 -fopenmp -ffast-math), or the loader at first use with -march=native where
  * that library cannot run. -ffast-math vectorizes expf through glibc's libmvec (and assumes

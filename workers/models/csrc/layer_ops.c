@@ -2,13 +2,13 @@
  * PyTorch ops: residual add + RMSNorm, SiLU-and-multiply, RoPE of q and k with the paged K/V
  * cache write. Each rounds to bf16 exactly where the PyTorch expressions of
  * workers/models/layer_ops.py round (every op computes in fp32 and rounds its result to bf16,
- * to nearest even), so the results equal theirs but for the order of RMSNorm's sum of squares
- * and the last bit of SiLU's exp. Small calls run on the calling thread (no OpenMP fork: on 2
+ * to nearest even; SiLU's exp is SLEEF's, as PyTorch's), so the results equal theirs but for the
+ * order of RMSNorm's sum of squares. Small calls run on the calling thread (no OpenMP fork: on 2
  * cores a forked op waits for the other core, which the step's matmuls or another process may
  * hold); calls of at least PARALLEL_MIN elements split their rows over num_threads threads.
  *
  * Called through ctypes by workers/models/cpu_layer_kernels.py, which compiles it at first use
- * (-O3 -march=native -fopenmp -ffast-math: exp vectorized through libmvec) and checks it against
+ * (-O3 -march=native -fopenmp -ffp-contract=off: IEEE fp32 ops, vectorized) and checks it against
  * the PyTorch expressions before the model uses it.
  */
 #include <math.h>
@@ -34,6 +34,34 @@ static inline uint16_t to_bf16(float f) {
 }
 
 static inline float round_bf16(float f) { return from_bf16(to_bf16(f)); }
+
+/* 2^q for q in [-126, 127]. */
+static inline float pow2i(int32_t q) {
+  const uint32_t bits = (uint32_t)(q + 0x7f) << 23;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* exp(d) as SLEEF's expf_u10 computes it (PyTorch's vectorized exp on x86, which its SiLU calls):
+ * the same reduction, polynomial and FMAs, so the same bits. */
+static inline float sleef_expf(float d) {
+  const float q = rintf(d * 1.442695040888963407359924681001892137f);
+  float s = fmaf(q, -0.693145751953125f, d);
+  s = fmaf(q, -1.428606765330187045e-06f, s);
+  float u = 0.000198527617612853646278381f;
+  u = fmaf(u, s, 0.00139304355252534151077271f);
+  u = fmaf(u, s, 0.00833336077630519866943359f);
+  u = fmaf(u, s, 0.0416664853692054748535156f);
+  u = fmaf(u, s, 0.166666671633720397949219f);
+  u = fmaf(u, s, 0.5f);
+  u = 1.f + fmaf(s * s, u, s);
+  const int32_t e = (int32_t)q;
+  u = u * pow2i(e >> 1) * pow2i(e - (e >> 1));
+  if (d < -104.f) u = 0.f;
+  if (d > 104.f) u = INFINITY;
+  return u;
+}
 
 /* sum = x + residual (bf16; residual NULL: sum = x, not written), norm = weight * bf16(sum *
  * rsqrt(mean(sum^2) + eps)): rows of H, T rows. */
@@ -75,7 +103,7 @@ void tpserve_silu_mul_bf16(const uint16_t *gate_up, int64_t T, int64_t I, uint16
 #pragma omp simd
     for (int64_t i = 0; i < I; i++) {
       const float g = from_bf16(gate[i]);
-      const float silu = round_bf16(g / (1.f + expf(-g)));
+      const float silu = round_bf16(g / (1.f + sleef_expf(-g)));
       o[i] = to_bf16(silu * from_bf16(up[i]));
     }
   }
