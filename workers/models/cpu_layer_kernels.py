@@ -39,6 +39,8 @@ LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBRARIES = ((),)
 SWITCH_ENV = "TPSERVE_CPU_KERNELS"
 MAX_HEAD_DIM = 512  # the RoPE kernel's scratch row (the source's ``rotated``)
+MAX_HIDDEN = 16384  # RMSNorm's row (the source's MAX_HIDDEN)
+SUM_LANES = (8, 16)  # the vector widths PyTorch's CPU sum may add in (`check` finds which)
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -55,7 +57,8 @@ class LayerKernels:
         self.path = path
         lib = ctypes.CDLL(str(path))
         self._norm = lib.tpserve_add_rms_norm_bf16
-        self._norm.argtypes = [_P, _P, _P, ctypes.c_float, _I, _I, _P, _P, ctypes.c_int]
+        self._norm.argtypes = [_P, _P, _P, ctypes.c_float, _I, _I, _P, _P, ctypes.c_int,
+                               ctypes.c_int]
         self._norm.restype = None
         self._silu = lib.tpserve_silu_mul_bf16
         self._silu.argtypes = [_P, _I, _I, _P, ctypes.c_int]
@@ -63,6 +66,7 @@ class LayerKernels:
         self._rope = lib.tpserve_rope_write_kv_bf16
         self._rope.argtypes = [_P] * 6 + [_I] * 5 + [ctypes.c_int]
         self._rope.restype = ctypes.c_int
+        self.sum_lanes = SUM_LANES[0]  # RMSNorm's sum order: `check` sets PyTorch's
 
     def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor],
                      weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +78,10 @@ class LayerKernels:
         total = x if residual is None else torch.empty_like(x)
         if residual is not None:
             residual = residual.contiguous()
+        if hidden > MAX_HIDDEN:
+            raise ValueError(f"RMSNorm kernel: rows of {hidden} values, at most {MAX_HIDDEN}")
         self._norm(x.data_ptr(), _ptr(residual), weight.data_ptr(), eps, num_tokens, hidden,
-                   total.data_ptr(), norm.data_ptr(), torch.get_num_threads())
+                   total.data_ptr(), norm.data_ptr(), self.sum_lanes, torch.get_num_threads())
         return norm, total
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -94,6 +100,8 @@ class LayerKernels:
         (cos, sin ``[T, 1, D]``); k and v stored at ``slot_mapping`` of the caches
         ``[slots, Hkv, D]``. Raises IndexError for a slot outside the caches."""
         num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+        if head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"RoPE kernel: heads of {head_dim}, at most {MAX_HEAD_DIM}")
         cos, sin = (t.reshape(num_tokens, head_dim).contiguous() for t in tables)
         slots = slot_mapping.to(torch.int64).contiguous()
         status = self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
@@ -124,11 +132,12 @@ def layer_kernels() -> Optional[LayerKernels]:
 
 def check(kernels: LayerKernels) -> None:
     """Raises `KernelBuildError` unless each kernel gives the PyTorch expressions' bf16 values
-    (within one bf16 rounding step: RMSNorm sums its squares in another order) on a small
-    input."""
+    (within one bf16 rounding step, where PyTorch's sum order is neither of `SUM_LANES`') on a
+    small input."""
     from workers.models.layer_ops import TorchLayerOps  # the expressions (imports this module)
 
     ref, gen = TorchLayerOps(), torch.Generator().manual_seed(0)
+    _find_sum_order(kernels, ref, gen)
     x, res = (torch.randn(5, 64, generator=gen).bfloat16() for _ in range(2))
     weight = torch.rand(64, generator=gen).bfloat16() + 0.5
     pairs = [(kernels.add_rms_norm(x, res, weight, 1e-5), ref.add_rms_norm(x, res, weight, 1e-5)),
@@ -150,3 +159,17 @@ def check(kernels: LayerKernels) -> None:
             if not error <= 2 ** -7 * max(1.0, b.float().abs().max().item()):
                 raise KernelBuildError(f"{kernels.path} differs from the PyTorch expressions "
                                        f"by {error:.2e}")
+
+
+def _find_sum_order(kernels: LayerKernels, ref, gen: torch.Generator) -> None:
+    """Set ``kernels.sum_lanes`` to the width whose RMSNorm equals the expression's on rows with
+    outliers (where sum orders part); the first where none does."""
+    x = (torch.randn(64, 576, generator=gen)
+         * torch.exp(2 * torch.randn(64, 576, generator=gen))).bfloat16()
+    weight = torch.ones(576, dtype=torch.bfloat16)
+    want = ref.add_rms_norm(x, None, weight, 1e-5)[0]
+    for lanes in SUM_LANES:
+        kernels.sum_lanes = lanes
+        if torch.equal(kernels.add_rms_norm(x, None, weight, 1e-5)[0], want):
+            return
+    kernels.sum_lanes = SUM_LANES[0]

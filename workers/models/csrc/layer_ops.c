@@ -2,8 +2,8 @@
  * PyTorch ops: residual add + RMSNorm, SiLU-and-multiply, RoPE of q and k with the paged K/V
  * cache write. Each rounds to bf16 exactly where the PyTorch expressions of
  * workers/models/layer_ops.py round (every op computes in fp32 and rounds its result to bf16,
- * to nearest even; SiLU's exp is SLEEF's, as PyTorch's), so the results equal theirs but for the
- * order of RMSNorm's sum of squares. Small calls run on the calling thread (no OpenMP fork: on 2
+ * to nearest even; SiLU's exp is SLEEF's and RMSNorm's sum of squares adds in the order of
+ * PyTorch's, as theirs do), so the results equal theirs bit for bit. Small calls run on the calling thread (no OpenMP fork: on 2
  * cores a forked op waits for the other core, which the step's matmuls or another process may
  * hold); calls of at least PARALLEL_MIN elements split their rows over num_threads threads.
  *
@@ -16,6 +16,7 @@
 #include <string.h>
 
 #define PARALLEL_MIN (1 << 18)
+#define MAX_HIDDEN 16384 /* RMSNorm's row (the caller checks) */
 
 static inline float from_bf16(uint16_t h) {
   const uint32_t bits = (uint32_t)h << 16;
@@ -63,29 +64,67 @@ static inline float sleef_expf(float d) {
   return u;
 }
 
+/* The sum of x[0..n) in the order of PyTorch's vectorized CPU sum (aten's SumKernel: vectors of
+ * SUM_LANES floats, lanes = 8 for its AVX2 kernels, 16 for AVX-512; 4 accumulators, cascaded in
+ * levels, then the accumulators and the lanes in turn), so that RMSNorm's mean equals the
+ * expression's bit for bit. */
+#define MAX_LANES 16
+static float torch_order_sum(const float *x, int64_t n, int SUM_LANES) {
+  enum { ILP = 4, LEVELS = 4 };
+  const int64_t vectors = n / SUM_LANES, rows = vectors / ILP;
+  int64_t log2 = 0;
+  while (((int64_t)1 << log2) < rows) log2++;
+  const int64_t power = log2 / LEVELS > 4 ? log2 / LEVELS : 4, step = (int64_t)1 << power;
+  float acc[LEVELS][ILP][MAX_LANES];
+  memset(acc, 0, sizeof acc);
+  int64_t i = 0;
+  while (i + step <= rows) {
+    for (int64_t j = 0; j < step; j++, i++)
+      for (int k = 0; k < ILP; k++)
+        for (int l = 0; l < SUM_LANES; l++) acc[0][k][l] += x[(i * ILP + k) * SUM_LANES + l];
+    for (int level = 1; level < LEVELS; level++) {
+      for (int k = 0; k < ILP; k++)
+        for (int l = 0; l < SUM_LANES; l++) {
+          acc[level][k][l] += acc[level - 1][k][l];
+          acc[level - 1][k][l] = 0.f;
+        }
+      if ((i & ((step - 1) << (level * power))) != 0) break;
+    }
+  }
+  for (; i < rows; i++)
+    for (int k = 0; k < ILP; k++)
+      for (int l = 0; l < SUM_LANES; l++) acc[0][k][l] += x[(i * ILP + k) * SUM_LANES + l];
+  for (int level = 1; level < LEVELS; level++)
+    for (int k = 0; k < ILP; k++)
+      for (int l = 0; l < SUM_LANES; l++) acc[0][k][l] += acc[level][k][l];
+  for (int64_t v = rows * ILP; v < vectors; v++)
+    for (int l = 0; l < SUM_LANES; l++) acc[0][0][l] += x[v * SUM_LANES + l];
+  for (int k = 1; k < ILP; k++)
+    for (int l = 0; l < SUM_LANES; l++) acc[0][0][l] += acc[0][k][l];
+  float total = 0.f;
+  for (int64_t t = vectors * SUM_LANES; t < n; t++) total += x[t];
+  for (int l = 0; l < SUM_LANES; l++) total += acc[0][0][l];
+  return total;
+}
+
 /* sum = x + residual (bf16; residual NULL: sum = x, not written), norm = weight * bf16(sum *
- * rsqrt(mean(sum^2) + eps)): rows of H, T rows. */
+ * rsqrt(mean(sum^2) + eps)): T rows of H <= MAX_HIDDEN; sum_lanes 8 or 16 (torch_order_sum). */
 void tpserve_add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual,
                                const uint16_t *weight, float eps, int64_t T, int64_t H,
-                               uint16_t *sum, uint16_t *norm, int num_threads) {
+                               uint16_t *sum, uint16_t *norm, int sum_lanes, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (T * H >= PARALLEL_MIN) schedule(static)
   for (int64_t t = 0; t < T; t++) {
     const uint16_t *xr = x + t * H;
     uint16_t *sr = residual ? sum + t * H : (uint16_t *)xr;
-    float squares = 0.f;
+    float squares[MAX_HIDDEN];
     if (residual) {
       const uint16_t *rr = residual + t * H;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < H; i++) {
-        const uint16_t s = to_bf16(from_bf16(xr[i]) + from_bf16(rr[i]));
-        sr[i] = s;
-        squares += from_bf16(s) * from_bf16(s);
-      }
-    } else {
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < H; i++) squares += from_bf16(xr[i]) * from_bf16(xr[i]);
+#pragma omp simd
+      for (int64_t i = 0; i < H; i++) sr[i] = to_bf16(from_bf16(xr[i]) + from_bf16(rr[i]));
     }
-    const float inv = 1.f / sqrtf(squares / (float)H + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < H; i++) squares[i] = from_bf16(sr[i]) * from_bf16(sr[i]);
+    const float inv = 1.f / sqrtf(torch_order_sum(squares, H, sum_lanes) / (float)H + eps);
     uint16_t *nr = norm + t * H;
 #pragma omp simd
     for (int64_t i = 0; i < H; i++)
