@@ -10,7 +10,10 @@ When it runs: the ``torch`` attention backend's decode-only buckets, on CPU, wit
 queries over caches of the same dtype laid out ``[slots, Hkv, D]`` contiguously. Anything else
 (CUDA, fp16, prefills) takes the PyTorch path. bf16 caches are read as bf16 (half the bytes of
 fp32) and widened to fp32 tile by tile; queries, scores, softmax and sums are fp32 in both, and a
-bf16 query's output is rounded to bf16 once at the end. The results are fp32 sums in another
+bf16 query's output is rounded to bf16 once at the end. On CPUs with AVX-512 (bf16: and AVX-512
+BF16) an AVX-512 path of the same library runs instead (`DecodeKernel.allow_avx512`): bf16
+scores by VDPBF16PS (exact products, fp32 sums). The backend calls `DecodeKernel.attend_rows`,
+which reads the step's query rows and writes its output rows in place. The results are fp32 sums in another
 order than SDPA's: within 1e-6 of it on unit-scale fp32 inputs, not bitwise equal.
 
 Building: ``setup.py`` compiles it into ``kv/attention/libpaged_decode.so`` (``-O3 -fopenmp
@@ -67,6 +70,20 @@ class DecodeKernel:
             fn.restype = ctypes.c_int
             fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6
                            + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
+        self._rows = library.tpserve_paged_decode_rows
+        self._rows.restype = ctypes.c_int
+        self._rows.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+                               + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6
+                               + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+                               + [ctypes.c_int64] * 2)
+        self._set_avx512 = library.tpserve_paged_decode_set_avx512
+        self._set_avx512.restype = ctypes.c_int
+        self._set_avx512.argtypes = [ctypes.c_int]
+
+    def allow_avx512(self, allowed: bool) -> bool:
+        """Let later calls take the kernel's AVX-512 path where the CPU has it (True, the
+        default), or keep them on its portable path (False); returns the previous setting."""
+        return bool(self._set_avx512(int(allowed)))
 
     def accepts(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """True for fp32 or bf16 CPU queries over contiguous CPU caches ``[slots, Hkv, D]`` of
@@ -104,6 +121,39 @@ class DecodeKernel:
                              f"{tuple(slots.shape)} (needs at least one key, at most "
                              f"{MAX_HEADS} query heads)")
         return out.to(dtype)
+
+
+    def attend_rows(self, query: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slots: torch.Tensor, valid: Optional[torch.Tensor],
+                    scale: float, out: torch.Tensor) -> None:
+        """`attend` for the decodes of a flat batch, read and written in place: row ``rows[b]``
+        of ``query`` ``[T, H, D]`` (each token's heads side by side) attends over sequence b's
+        ``slots[b]``/``valid[b]`` and its ``[H * D]`` output goes to that row of ``out``
+        ``[T, H * D]`` (contiguous, the query's dtype). Raises IndexError for a slot outside the
+        caches or a row outside the batch."""
+        num_tokens, num_heads, head_dim = query.shape
+        if query.stride(2) != 1 or query.stride(1) != head_dim:
+            query = query.contiguous()
+        rows = rows.to(torch.int64).contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        if valid is not None:
+            valid = valid.to(torch.bool).contiguous()
+        num_seqs, num_kv_heads = rows.shape[0], k_cache.shape[1]
+        if num_seqs == 0:
+            return
+        status = self._rows(query.data_ptr(), query.stride(0), rows.data_ptr(), num_tokens,
+                            k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                            None if valid is None else valid.data_ptr(), k_cache.shape[0],
+                            num_seqs, slots.shape[1], num_kv_heads, num_heads // num_kv_heads,
+                            head_dim, scale, torch.get_num_threads(), out.data_ptr(),
+                            out.stride(0), query.element_size())
+        if status == -2:
+            raise IndexError(f"paged decode kernel: a slot outside the cache's "
+                             f"{k_cache.shape[0]} slots")
+        if status != 0:
+            raise IndexError(f"paged decode kernel refused rows {tuple(rows.shape)} of a batch "
+                             f"of {num_tokens} (each must be in it), slots "
+                             f"{tuple(slots.shape)} (at least one key)")
 
 
 def reference_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,7 +1,8 @@
 """Paged attention over block tables in plain PyTorch (runs on CPU and CUDA alike).
 
-Decodes: on CPU in fp32, a C kernel reads each sequence's keys and values where they lie in the
-cache (``kv/attention/cpu_decode.py``). Elsewhere, queries and the keys/values of every visible cached
+Decodes: on CPU in fp32 or bf16, a C kernel reads each sequence's keys and values where they lie
+in the cache, and the step's query and output rows in place (``kv/attention/cpu_decode.py``).
+Elsewhere, queries and the keys/values of every visible cached
 position are gathered into padded dense tensors and attended with one
 ``scaled_dot_product_attention`` call. Grouped-query attention never repeats K/V there: the ``G``
 query heads that share a KV head are folded into the query length, ``[B, Hkv, G, D]``, so a KV
@@ -61,7 +62,14 @@ def paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     out = query.new_empty(num_tokens, num_heads * head_dim)
     padded_query = None
+    kernel = decode_kernel() if not query.is_cuda else None
+    if kernel is not None and not kernel.accepts(query, k_cache, v_cache):
+        kernel = None
     for bucket in metadata.buckets:
+        if bucket.query_index.shape[1] == 1 and kernel is not None:  # read and written in place
+            kernel.attend_rows(query, bucket.token_index, k_cache, v_cache, bucket.kv_slots,
+                               bucket.mask.view(bucket.kv_slots.shape[0], -1), scale, out)
+            continue
         if bucket.query_index.shape[1] == 1:  # decodes only: no padded rows to skip
             out.index_copy_(0, bucket.token_index,
                             _attend_decodes(query, k_cache, v_cache, bucket, scale))
@@ -126,18 +134,14 @@ def _attend_prefix_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 def _attend_decodes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     bucket: AttentionBucket, scale: float) -> torch.Tensor:
-    """A bucket of one query per sequence: ``[B, H * D]``, in the order of ``token_index``. The
-    same call as ``_attend_bucket`` makes for ``max_q == 1``, without its padding copies."""
+    """A bucket of one query per sequence where the C kernel does not run: ``[B, H * D]``, in
+    the order of ``token_index``. The same call as ``_attend_bucket`` makes for ``max_q == 1``,
+    without its padding copies."""
     num_seqs = bucket.token_index.shape[0]
     _, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
     q = query.index_select(0, bucket.token_index).view(
         num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
-    kernel = decode_kernel() if not query.is_cuda else None
-    if kernel is not None and kernel.accepts(query, k_cache, v_cache):  # read where they lie
-        out = kernel.attend(q, k_cache, v_cache, bucket.kv_slots,
-                            bucket.mask.view(num_seqs, -1), scale)
-        return out.view(num_seqs, num_heads * head_dim)
     # gathered K/V [B, Hkv, K, D], the mask broadcast over the KV heads and their G query heads
     out = reference_attend(q, k_cache, v_cache, bucket.kv_slots, bucket.mask.view(num_seqs, -1),
                            scale)

@@ -133,7 +133,9 @@ def test_bad_layouts_are_refused_by_name():
 
 def test_the_choice_is_made_by_device_and_can_be_forced():
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    assert isinstance(layer_ops(CPU, bf16), TorchLayerOps) and layer_ops(CPU, bf16).name == "torch"
+    assert layer_ops(CPU, bf16).name == "cpu-bf16"  # the C kernels (they compile here)
+    assert layer_ops(CPU, bf16, fused=False).name == "torch"
+    assert layer_ops(CPU, torch.float32).name == "torch"  # exact parity with transformers
     assert layer_ops(CPU, torch.float32, fused=True).name == "triton"
     assert layer_ops(cuda, bf16, fused=False).name == "torch"
     assert layer_ops(cuda, bf16).name == "triton"  # triton imports here

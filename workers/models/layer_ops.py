@@ -99,7 +99,35 @@ class TritonLayerOps(TorchLayerOps):
                 heads[:, num_heads + num_kv_heads:])
 
 
-LayerOps = TorchLayerOps  # the interface: TritonLayerOps overrides each method
+class CpuBf16LayerOps(TorchLayerOps):
+    """bf16 on CPU: one C kernel per op (``workers/models/cpu_layer_kernels.py``), rounding where
+    the expressions round."""
+
+    name = "cpu-bf16"
+
+    def __init__(self, kernels) -> None:
+        self._kernels = kernels
+
+    def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor],
+                     weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self._kernels.add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._kernels.silu_and_mul(gate_up)
+
+    def rope_write_kv(self, qkv: torch.Tensor, tables: Tuple[torch.Tensor, torch.Tensor],
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      num_heads: int, num_kv_heads: int) -> QKV:
+        qkv = qkv.contiguous()
+        self._kernels.rope_write_kv(qkv, tables, k_cache, v_cache, slot_mapping, num_heads,
+                                    num_kv_heads)  # q and k rotated in place
+        num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+        heads = qkv.view(num_tokens, -1, head_dim)  # [T, H + 2 Hkv, D]
+        return (heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads],
+                heads[:, num_heads + num_kv_heads:])
+
+
+LayerOps = TorchLayerOps  # the interface: the others override each method
 
 
 def fused_kernels_default(device: torch.device, dtype: torch.dtype) -> bool:
@@ -114,9 +142,14 @@ def fused_kernels_default(device: torch.device, dtype: torch.dtype) -> bool:
 
 def layer_ops(device: torch.device, dtype: torch.dtype,
               fused: Optional[bool] = None) -> TorchLayerOps:
-    """The ops a model on ``device`` runs: ``fused`` True or False forces the choice (the tests
-    run the Triton kernels on CPU under Triton's interpreter), None takes
-    `fused_kernels_default`."""
+    """The ops a model on ``device`` runs: ``fused`` True forces the Triton kernels (the tests
+    run them on CPU under Triton's interpreter), False the PyTorch expressions; None takes
+    `fused_kernels_default`, and on CPU in bf16 the C kernels where they load
+    (`workers.models.cpu_layer_kernels.layer_kernels`)."""
+    if fused is None and device.type == "cpu" and dtype == torch.bfloat16:
+        kernels = importlib.import_module("workers.models.cpu_layer_kernels").layer_kernels()
+        if kernels is not None:
+            return CpuBf16LayerOps(kernels)
     if fused is None:
         fused = fused_kernels_default(device, dtype)
     return TritonLayerOps() if fused else TorchLayerOps()

@@ -131,8 +131,8 @@ class LlamaForCausalLM(nn.Module):
                  fused_kernels: Optional[bool] = None) -> None:
         """``attention``: the backend every layer attends with (default: the torch one);
         ``fused_kernels``: the layers' elementwise ops as Triton kernels (True) or PyTorch
-        expressions (False); None: Triton on CUDA in 16-bit dtypes
-        (`workers.models.layer_ops.fused_kernels_default`)."""
+        expressions (False); None: Triton on CUDA in 16-bit dtypes, C kernels on CPU in bf16
+        (`workers.models.layer_ops.layer_ops`)."""
         super().__init__()
         self.config = config
         self.tp = tp  # its collectives' timer times them inside captured graphs too

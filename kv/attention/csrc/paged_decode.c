@@ -15,6 +15,11 @@
  * 32 decodes of ~100 keys took 0.80x the time they took without prefetching, 0.88x with one
  * tile ahead: scripts/bench_cpu_decode.py, docs/benchmarks/cpu-decode.md).
  *
+ * On x86-64 CPUs with AVX-512 (and AVX-512 BF16 for bf16 caches) a tile's keys are attended by
+ * the AVX-512 path below instead, compiled for those instructions whatever the build's -march and
+ * chosen at run time. tpserve_paged_decode_rows reads the queries and writes the outputs of a
+ * flat batch's decodes where they lie (fp32 or bf16, like the caches).
+ *
  * Called through ctypes by kv/attention/cpu_decode.py. setup.py compiles it with the package
  * (-O3 -march=x86-64-v3 -fopenmp -ffast-math), or the loader at first use with -march=native where
  * that library cannot run. -ffast-math vectorizes expf through glibc's libmvec (and assumes
@@ -41,6 +46,7 @@ typedef struct {
   int64_t S, K, Hkv, G, D;
   float scale;
   int64_t elem_bytes; /* 4: fp32 caches; 2: bf16 */
+  int avx512;         /* the AVX-512 path below (use_avx512) */
 } Inputs;
 
 /* out[i] = the n bf16 values at in[i] as fp32 (a bf16 is the top half of an fp32). */
@@ -123,6 +129,169 @@ static void attend_tile(const Inputs *in, const float *q, const float *keys, con
   }
 }
 
+/* ---- AVX-512 path (x86-64 CPUs with AVX-512F; dot products with AVX-512 BF16 over bf16
+ * caches): compiled for those instructions whatever the build's -march, chosen at run time
+ * (`use_avx512`). Same results as the portable path up to the order of fp32 sums: scores of 16
+ * keys at once (each key's D products summed in vector lanes, then 16 keys' lanes reduced
+ * together), exp by a degree-6 polynomial (within 2 ulp of expf), values accumulated per key.
+ * bf16 scores: VDPBF16PS over the bf16 query (exact: it came from bf16) and keys, products exact,
+ * sums in fp32 (its denormals flushed to zero). Head sizes: multiples of 32 up to 256. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KEYS 16
+#define MAX_CHUNKS 16 /* D / 16 */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define AVX512_INLINE static inline __attribute__((always_inline)) AVX512
+
+/* The sums of each of a[0..15], lane j of the result holding a[j]'s. */
+AVX512_INLINE __m512 reduce16(__m512 a[KEYS]) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; i++)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; i++) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; i++)
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                       _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
+}
+
+/* exp(x) for x >= -87 (lower lanes give exp(-87)): n = round(x / ln 2), r = x - n ln 2 in
+ * two parts, exp(r) by its Taylor polynomial to r^6 (|r| <= ln 2 / 2), scaled by 2^n. */
+AVX512_INLINE __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+/* 16 bf16 at p widened to fp32. */
+AVX512_INLINE __m512 load_bf16(const uint16_t *p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* Scores (times scale) of query q [D] against the keys at rows[0..15] (element offsets of
+ * their head's D values): fp32 keys by FMA, bf16 keys by VDPBF16PS. */
+AVX512_INLINE __m512 scores16(const Inputs *in, const float *q, const int64_t *rows, int D) {
+  __m512 sums[KEYS];
+  if (in->elem_bytes == 4) {
+    const float *keys = in->k_cache;
+    __m512 qv[MAX_CHUNKS];
+    for (int c = 0; c < D / 16; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
+    for (int j = 0; j < KEYS; j++) {
+      __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys + rows[j]));
+      for (int c = 1; c < D / 16; c++)
+        s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(keys + rows[j] + 16 * c), s);
+      sums[j] = s;
+    }
+  } else {
+    const uint16_t *keys = in->k_cache;
+    __m512bh qv[MAX_CHUNKS / 2];
+    for (int c = 0; c < D / 32; c++)
+      qv[c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * c + 16), _mm512_loadu_ps(q + 32 * c));
+    for (int j = 0; j < KEYS; j++) {
+      __m512 s = _mm512_setzero_ps();
+      for (int c = 0; c < D / 32; c++)
+        s = _mm512_dpbf16_ps(s, qv[c], (__m512bh)_mm512_loadu_si512(keys + rows[j] + 32 * c));
+      sums[j] = s;
+    }
+  }
+  return _mm512_mul_ps(reduce16(sums), _mm512_set1_ps(in->scale));
+}
+
+/* Every query head's online softmax over n <= 16 seen keys (rows: their slot row offsets,
+ * padded to 16 with the first), acc [H, D], m [H], l [H] updated in place. */
+AVX512_INLINE void attend16(const Inputs *in, const float *q, const int64_t *rows, int n,
+                            float *acc, float *m, float *l, int D) {
+  const int64_t G = in->G;
+  const __mmask16 seen = (__mmask16)((1u << n) - 1);
+  for (int64_t h = 0; h < in->Hkv; h++) {
+    int64_t at[KEYS];
+    for (int j = 0; j < KEYS; j++) at[j] = rows[j] + h * D;
+    float p[MAX_HEADS][KEYS];
+    for (int64_t g = 0; g < G; g++) {
+      const int64_t head = h * G + g;
+      __m512 s = scores16(in, q + head * D, at, D);
+      s = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-FLT_MAX), s);
+      const float top = fmaxf(m[head], _mm512_reduce_max_ps(s));
+      const __m512 e = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(s, _mm512_set1_ps(top))));
+      _mm512_storeu_ps(p[g], e);
+      const float rescale = expf(m[head] - top); /* 0 for the first keys */
+      l[head] = l[head] * rescale + _mm512_reduce_add_ps(e);
+      m[head] = top;
+      if (rescale != 1.f)
+        for (int c = 0; c < D / 16; c++)
+          _mm512_storeu_ps(acc + head * D + 16 * c,
+                           _mm512_mul_ps(_mm512_loadu_ps(acc + head * D + 16 * c),
+                                         _mm512_set1_ps(rescale)));
+    }
+    for (int j = 0; j < n; j++) {
+      __m512 v[MAX_CHUNKS];
+      for (int c = 0; c < D / 16; c++)
+        v[c] = in->elem_bytes == 4 ? _mm512_loadu_ps((const float *)in->v_cache + at[j] + 16 * c)
+                                   : load_bf16((const uint16_t *)in->v_cache + at[j] + 16 * c);
+      for (int64_t g = 0; g < G; g++) {
+        float *a = acc + (h * G + g) * D;
+        const __m512 w = _mm512_set1_ps(p[g][j]);
+        for (int c = 0; c < D / 16; c++)
+          _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(a + 16 * c)));
+      }
+    }
+  }
+}
+
+/* attend_rows on this path: the n seen keys in groups of 16. */
+static AVX512 void attend_rows_avx512(const Inputs *in, const float *q, const int64_t *rows,
+                                      int64_t n, float *acc, float *m, float *l) {
+  for (int64_t start = 0; start < n; start += KEYS) {
+    const int count = n - start < KEYS ? (int)(n - start) : KEYS;
+    int64_t group[KEYS];
+    for (int j = 0; j < KEYS; j++) group[j] = rows[start + (j < count ? j : 0)];
+    if (in->D == 64)
+      attend16(in, q, group, count, acc, m, l, 64); /* constant head sizes: unrolled */
+    else if (in->D == 128)
+      attend16(in, q, group, count, acc, m, l, 128);
+    else
+      attend16(in, q, group, count, acc, m, l, (int)in->D);
+  }
+}
+
+static int avx512_allowed = 1; /* tpserve_paged_decode_set_avx512 */
+
+static int use_avx512(const Inputs *in) {
+  __builtin_cpu_init();
+  return avx512_allowed && __builtin_cpu_supports("avx512f") &&
+         (in->elem_bytes == 4 || __builtin_cpu_supports("avx512bf16")) && in->D % 32 == 0 &&
+         in->D <= 16 * MAX_CHUNKS;
+}
+#else
+static int avx512_allowed = 0;
+static int use_avx512(const Inputs *in) { return 0; }
+#endif
+
+/* Whether later calls may take the AVX-512 path where the CPU has it (1, the default) or must
+ * take the portable one (0: for comparing the two). Returns the previous setting. */
+int tpserve_paged_decode_set_avx512(int allowed) {
+  const int previous = avx512_allowed;
+  avx512_allowed = allowed;
+  return previous;
+}
+
 /* The cache row offsets of the seen keys among k..min(k + TILE, k1) into rows[]; their count,
  * or -1 for a slot outside the cache. */
 static int64_t tile_rows(const Inputs *in, const int64_t *slots, const uint8_t *valid, int64_t k,
@@ -196,7 +365,13 @@ static int attend_part(const Inputs *in, int64_t b, int64_t k0, int64_t k1, floa
       after_n = tile_rows(in, slots, valid, after, k1, after_rows);
       if (after_n > 0) prefetch_rows(in, after_rows, after_n, row);
     }
-    if (n) attend_rows(in, q, rows, n, row, scratch, acc, m, l);
+    if (n && in->avx512) {
+#if defined(__x86_64__) && defined(__GNUC__)
+      attend_rows_avx512(in, q, rows, n, acc, m, l);
+#endif
+    } else if (n) {
+      attend_rows(in, q, rows, n, row, scratch, acc, m, l);
+    }
     memcpy(rows, next_rows, sizeof(int64_t) * (next_n > 0 ? next_n : 0));
     n = next_n;
     memcpy(next_rows, after_rows, sizeof(int64_t) * (after_n > 0 ? after_n : 0));
@@ -270,7 +445,8 @@ int tpserve_paged_decode_f32(const float *q, const float *k_cache, const float *
                              const int64_t *slots, const uint8_t *valid, int64_t S, int64_t B,
                              int64_t K, int64_t Hkv, int64_t G, int64_t D, float scale,
                              int num_threads, float *out) {
-  const Inputs in = {q, k_cache, v_cache, slots, valid, S, K, Hkv, G, D, scale, 4};
+  Inputs in = {q, k_cache, v_cache, slots, valid, S, K, Hkv, G, D, scale, 4, 0};
+  in.avx512 = use_avx512(&in);
   return paged_decode(&in, B, num_threads, out);
 }
 
@@ -279,6 +455,60 @@ int tpserve_paged_decode_bf16(const float *q, const uint16_t *k_cache, const uin
                               const int64_t *slots, const uint8_t *valid, int64_t S, int64_t B,
                               int64_t K, int64_t Hkv, int64_t G, int64_t D, float scale,
                               int num_threads, float *out) {
-  const Inputs in = {q, k_cache, v_cache, slots, valid, S, K, Hkv, G, D, scale, 2};
+  Inputs in = {q, k_cache, v_cache, slots, valid, S, K, Hkv, G, D, scale, 2, 0};
+  in.avx512 = use_avx512(&in);
   return paged_decode(&in, B, num_threads, out);
+}
+
+/* The decodes of a flat batch in place: query row rows[b] (H * D values from query +
+ * rows[b] * query_stride elements, heads side by side) attends as sequence b, and its output
+ * is written to out + rows[b] * out_stride; query and out hold elem_bytes-sized values (4: fp32,
+ * 2: bf16, rounded to nearest even), like the caches. Returns paged_decode's codes, and -1 for
+ * a row outside [0, T). */
+static int decode_rows(const void *query, int64_t query_stride, const int64_t *rows, int64_t T,
+                       const void *k_cache, const void *v_cache, const int64_t *slots,
+                       const uint8_t *valid, int64_t S, int64_t B, int64_t K, int64_t Hkv,
+                       int64_t G, int64_t D, float scale, int num_threads, void *out,
+                       int64_t out_stride, int64_t elem_bytes) {
+  const int64_t width = Hkv * G * D;
+  for (int64_t b = 0; b < B; b++)
+    if (rows[b] < 0 || rows[b] >= T) return -1;
+  float *q = malloc(sizeof(float) * (2 * B * width + 1));
+  if (!q) return -1;
+  float *result = q + B * width;
+  for (int64_t b = 0; b < B; b++) {
+    if (elem_bytes == 4)
+      memcpy(q + b * width, (const float *)query + rows[b] * query_stride, sizeof(float) * width);
+    else
+      widen_bf16((const uint16_t *)query + rows[b] * query_stride, width, q + b * width);
+  }
+  Inputs in = {q, k_cache, v_cache, slots, valid, S, K, Hkv, G, D, scale, elem_bytes, 0};
+  in.avx512 = use_avx512(&in);
+  const int status = paged_decode(&in, B, num_threads, result);
+  for (int64_t b = 0; status == 0 && b < B; b++) {
+    const float *r = result + b * width;
+    if (elem_bytes == 4) {
+      memcpy((float *)out + rows[b] * out_stride, r, sizeof(float) * width);
+      continue;
+    }
+    uint16_t *o = (uint16_t *)out + rows[b] * out_stride;
+    for (int64_t i = 0; i < width; i++) {
+      uint32_t bits;
+      memcpy(&bits, &r[i], sizeof bits);
+      o[i] = r[i] != r[i] ? 0x7fc0 : (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    }
+  }
+  free(q);
+  return status;
+}
+
+int tpserve_paged_decode_rows(const void *query, int64_t query_stride, const int64_t *rows,
+                              int64_t T, const void *k_cache, const void *v_cache,
+                              const int64_t *slots, const uint8_t *valid, int64_t S, int64_t B,
+                              int64_t K, int64_t Hkv, int64_t G, int64_t D, float scale,
+                              int num_threads, void *out, int64_t out_stride,
+                              int64_t elem_bytes) {
+  if (elem_bytes != 4 && elem_bytes != 2) return -1;
+  return decode_rows(query, query_stride, rows, T, k_cache, v_cache, slots, valid, S, B, K, Hkv,
+                     G, D, scale, num_threads, out, out_stride, elem_bytes);
 }
