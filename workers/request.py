@@ -153,8 +153,3 @@ def placeholder(row: int) -> int:
     """The stand-in id of a token sampled in row ``row`` of the previous step's sampled ids: a
     negative number, which no tokenizer produces. The model runner takes the id from the device."""
     return -1 - row
-
-
-def placeholder_row(token_id: int) -> int:
-    """The row of the previous step's sampled ids that ``placeholder`` ``token_id`` stands for."""
-    return -1 - token_id

@@ -72,14 +72,13 @@ class TorchLayerOps:
         return q, k, v
 
 
-class TritonLayerOps(TorchLayerOps):
-    """One Triton kernel per op; a model's final norm and every layer's use them too."""
+class KernelLayerOps(TorchLayerOps):
+    """One kernel call per op: ``layer``'s ``add_rms_norm`` and ``silu_and_mul``, and ``rope``'s
+    ``rope_write_kv``, which rotates q and k of a contiguous ``qkv`` in place and writes k and v
+    into the caches (the signatures of the methods below)."""
 
-    name = "triton"
-
-    def __init__(self) -> None:
-        self._layer = importlib.import_module("workers.models.triton_layer_kernels")
-        self._rope = importlib.import_module("kv.attention.triton_rope_write")
+    def __init__(self, layer, rope) -> None:
+        self._layer, self._rope = layer, rope
 
     def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor],
                      weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +90,7 @@ class TritonLayerOps(TorchLayerOps):
     def rope_write_kv(self, qkv: torch.Tensor, tables: Tuple[torch.Tensor, torch.Tensor],
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       num_heads: int, num_kv_heads: int) -> QKV:
+        qkv = qkv.contiguous()
         self._rope.rope_write_kv(qkv, tables, k_cache, v_cache, slot_mapping, num_heads,
                                  num_kv_heads)  # q and k rotated in place
         num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
@@ -99,32 +99,24 @@ class TritonLayerOps(TorchLayerOps):
                 heads[:, num_heads + num_kv_heads:])
 
 
-class CpuBf16LayerOps(TorchLayerOps):
+class TritonLayerOps(KernelLayerOps):
+    """One Triton kernel per op; a model's final norm and every layer's use them too."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        super().__init__(importlib.import_module("workers.models.triton_layer_kernels"),
+                         importlib.import_module("kv.attention.triton_rope_write"))
+
+
+class CpuBf16LayerOps(KernelLayerOps):
     """bf16 on CPU: one C kernel per op (``workers/models/cpu_layer_kernels.py``), rounding where
     the expressions round."""
 
     name = "cpu-bf16"
 
     def __init__(self, kernels) -> None:
-        self._kernels = kernels
-
-    def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor],
-                     weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
-        return self._kernels.add_rms_norm(x, residual, weight, eps)
-
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self._kernels.silu_and_mul(gate_up)
-
-    def rope_write_kv(self, qkv: torch.Tensor, tables: Tuple[torch.Tensor, torch.Tensor],
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      num_heads: int, num_kv_heads: int) -> QKV:
-        qkv = qkv.contiguous()
-        self._kernels.rope_write_kv(qkv, tables, k_cache, v_cache, slot_mapping, num_heads,
-                                    num_kv_heads)  # q and k rotated in place
-        num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
-        heads = qkv.view(num_tokens, -1, head_dim)  # [T, H + 2 Hkv, D]
-        return (heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads],
-                heads[:, num_heads + num_kv_heads:])
+        super().__init__(kernels, kernels)
 
 
 LayerOps = TorchLayerOps  # the interface: the others override each method
