@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,3 +29,14 @@ def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.Complete
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([sys.executable, "-m", f"scripts.{name}", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, expected: str,
+                          returncode: Optional[int] = None) -> None:
+    """``proc`` failed (with ``returncode``, when given) saying one line on stderr, ``error: ``
+    and ``expected`` in it, and no traceback."""
+    assert proc.returncode != 0 if returncode is None else proc.returncode == returncode, \
+        proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench_scripts import load_script, run_script
+from bench_scripts import assert_one_line_error, load_script, run_script
 
 
 @pytest.fixture(scope="module")
@@ -45,19 +45,13 @@ def test_defaults_are_the_issue_load_and_smoke_is_small(bench):
         (4, 2, 1, ["vllm"])
 
 
-def assert_one_line_error(proc, expected: str) -> None:
-    assert proc.returncode == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
-
-
 def test_unwritable_vllm_venv_exits_with_one_line(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     proc = run_script("bench_served_vs_vllm", "--smoke", "--vllm-venv", str(blocker / "venv"),
                       timeout=120)
-    assert_one_line_error(proc, f"could not create the vLLM virtualenv {blocker / 'venv'}")
+    assert_one_line_error(proc, f"could not create the vLLM virtualenv {blocker / 'venv'}",
+                          returncode=1)
 
 
 def test_aiperf_that_pip_cannot_find_exits_with_one_line(tmp_path, monkeypatch):
@@ -70,7 +64,7 @@ def test_aiperf_that_pip_cannot_find_exits_with_one_line(tmp_path, monkeypatch):
     venv = tmp_path / "venv"
     proc = run_script("bench_served_vs_vllm", "--smoke", "--systems", "tpserve",
                       "--aiperf-venv", str(venv), timeout=180)
-    assert_one_line_error(proc, f"pip install aiperf==0.13.0 into {venv} failed")
+    assert_one_line_error(proc, f"pip install aiperf==0.13.0 into {venv} failed", returncode=1)
     assert not (venv / "tpserve-aiperf-ready").exists()
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench_scripts import load_script, run_script
+from bench_scripts import assert_one_line_error, load_script, run_script
 
 REQUIRED_KEYS = (
     "ratio_vs_vllm_bf16_prefill", "ratio_vs_vllm_bf16_decode", "ratio_vs_vllm_fp32_prefill",
@@ -163,13 +163,6 @@ def test_cpu_info_reads_the_model_and_flags():
 
 
 # ----- failures: one line, no traceback -----
-
-
-def assert_one_line_error(proc, expected: str) -> None:
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
 
 
 def test_unwritable_venv_path_exits_with_one_line(tmp_path):
