@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from scripts.vllm.venv import VenvError, _step, last_error_line, venv_python
+from scripts.vllm.venv import _step, install, last_error_line, marked_ready
 
 AIPERF_PACKAGE = "aiperf"
 AIPERF_VERSION = "0.13.0"
@@ -28,9 +27,7 @@ EXPORT = "profile_export_aiperf.json"
 
 
 def is_ready(venv: Path, version: str = AIPERF_VERSION) -> bool:
-    marker = venv / MARKER
-    return (marker.is_file() and venv_python(venv).exists()
-            and marker.read_text().strip() == f"{AIPERF_PACKAGE}=={version}")
+    return marked_ready(venv, MARKER, f"{AIPERF_PACKAGE}=={version}")
 
 
 def ensure_aiperf(venv: Path, version: str = AIPERF_VERSION, log=print) -> Path:
@@ -42,13 +39,8 @@ def ensure_aiperf(venv: Path, version: str = AIPERF_VERSION, log=print) -> Path:
         return executable
     spec = f"{AIPERF_PACKAGE}=={version}"
     log(f"setting up the aiperf virtualenv {venv} ({spec}; once, a minute or two)")
-    retry = "fix that and rerun (or pass --aiperf-venv another writable directory)"
-    if not venv_python(venv).exists():
-        _step([sys.executable, "-m", "venv", str(venv)],
-              f"could not create the aiperf virtualenv {venv}", retry)
-    _step([str(venv_python(venv)), "-m", "pip", "install", "--quiet", spec],
-          f"pip install {spec} into {venv} failed",
-          "check access to PyPI (pip's index settings) and rerun; the venv is reused")
+    install(venv, spec, "aiperf",
+            "fix that and rerun (or pass --aiperf-venv another writable directory)")
     _step([str(executable), "--version"], f"aiperf in {venv} does not run",
           f"remove {venv} and rerun to reinstall")
     (venv / MARKER).write_text(spec + "\n")

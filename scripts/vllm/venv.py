@@ -31,9 +31,24 @@ def venv_python(venv: Path) -> Path:
 
 def is_ready(venv: Path, version: str = VLLM_VERSION) -> bool:
     """Whether ``venv`` was set up completely for vLLM ``version`` (its marker names it)."""
-    marker = venv / MARKER
-    return (marker.is_file() and venv_python(venv).exists()
-            and marker.read_text().strip() == f"{VLLM_PACKAGE}=={version}")
+    return marked_ready(venv, MARKER, f"{VLLM_PACKAGE}=={version}")
+
+
+def marked_ready(venv: Path, marker: str, spec: str) -> bool:
+    """Whether ``venv`` has a python and a ``marker`` file naming ``spec`` (written last)."""
+    path = venv / marker
+    return path.is_file() and venv_python(venv).exists() and path.read_text().strip() == spec
+
+
+def install(venv: Path, spec: str, what: str, retry: str) -> None:
+    """``venv`` created where missing (``what``: whose virtualenv, for the messages) and
+    ``spec`` installed into it by pip; ``VenvError`` naming the step that failed."""
+    if not venv_python(venv).exists():
+        _step([sys.executable, "-m", "venv", str(venv)],
+              f"could not create the {what} virtualenv {venv}", retry)
+    _step([str(venv_python(venv)), "-m", "pip", "install", "--quiet", spec],
+          f"pip install {spec} into {venv} failed",
+          "check access to PyPI (pip's index settings) and rerun; the venv is reused")
 
 
 def ensure_venv(venv: Path, version: str = VLLM_VERSION, log=print) -> Path:
@@ -44,20 +59,14 @@ def ensure_venv(venv: Path, version: str = VLLM_VERSION, log=print) -> Path:
     spec = f"{VLLM_PACKAGE}=={version}"
     log(f"setting up the vLLM virtualenv {venv} ({spec}; once, a few minutes)")
     retry = "fix that and rerun (or pass --vllm-venv another writable directory)"
-    if not venv_python(venv).exists():
-        _step([sys.executable, "-m", "venv", str(venv)],
-              f"could not create the vLLM virtualenv {venv}", retry)
+    install(venv, spec, "vLLM", retry)
     python = str(venv_python(venv))
-    _step([python, "-m", "pip", "install", "--quiet", spec],
-          f"pip install {spec} into {venv} failed",
-          "check access to PyPI (pip's index settings) and rerun; the venv is reused")
     _step([python, "-m", "pip", "uninstall", "--yes", "--quiet", *BROKEN_EXTRAS],
           f"pip uninstall {' '.join(BROKEN_EXTRAS)} in {venv} failed", retry)
     _step([python, "-c", "import vllm, torch"], f"import vllm in {venv} failed",
           f"remove {venv} and rerun to reinstall")
     (venv / MARKER).write_text(spec + "\n")
     return venv_python(venv)
-
 
 def _step(cmd: Sequence[str], what: str, retry: str, timeout_s: float = 3600) -> None:
     try:
