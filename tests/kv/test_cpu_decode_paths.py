@@ -30,11 +30,13 @@ def kernel():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim, num_keys", [(64, 700), (128, 40), (96, 17), (40, 100)])
-def test_the_avx512_path_equals_the_portable_one(kernel, dtype, head_dim, num_keys):
+@pytest.mark.parametrize("head_dim, num_keys, group", [(64, 700, 3), (128, 40, 3), (96, 17, 3),
+                                                       (40, 100, 3), (64, 50, 9), (32, 33, 16)])
+def test_the_avx512_path_equals_the_portable_one(kernel, dtype, head_dim, num_keys, group):
     """Head sizes it takes (multiples of 32) and one it leaves to the portable path (40); key
-    counts across its groups of 16 and the kernel's parts of 512."""
-    inputs = _inputs(dtype, head_dim=head_dim, num_keys=num_keys)
+    counts across its groups of 16 and the kernel's parts of 512; query heads per KV head in one
+    block of register sums or several, the last one partly filled."""
+    inputs = _inputs(dtype, head_dim=head_dim, num_keys=num_keys, group=group)
     assert kernel.allow_avx512(False) is True  # the default
     portable = kernel.attend(*inputs).float()
     kernel.allow_avx512(True)

@@ -10,10 +10,9 @@
  * query head over tiles of TILE keys, whose cache rows (all KV heads of a slot) are read whole,
  * in order; the parts of a sequence are then merged by their maxima and sums (flash decoding).
  * A masked key is skipped; a row must have at least one key it sees. The rows of the next two
- * tiles are prefetched while a tile is attended: a sequence's slots jump from block to block,
- * which the hardware prefetchers do not follow (with the caches cold, as between engine steps,
- * 32 decodes of ~100 keys took 0.80x the time they took without prefetching, 0.88x with one
- * tile ahead: scripts/bench_cpu_decode.py, docs/benchmarks/cpu-decode.md).
+ * tiles are prefetched while a tile is attended, and once a task's own tiles are all asked for,
+ * the first tile of the task its thread likely takes next: a sequence's slots jump from block
+ * to block, which the hardware prefetchers do not follow (docs/benchmarks/cpu-decode.md).
  *
  * On x86-64 CPUs with AVX-512 (and AVX-512 BF16 for bf16 caches) a tile's keys are attended by
  * the AVX-512 path below instead, compiled for those instructions whatever the build's -march and
@@ -140,6 +139,7 @@ static void attend_tile(const Inputs *in, const float *q, const float *keys, con
 #include <immintrin.h>
 #define KEYS 16
 #define MAX_CHUNKS 16 /* D / 16 */
+#define ACC_REGS 16  /* value sums kept in registers: ACC_REGS / (D / 16) heads at once */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 #define AVX512_INLINE static inline __attribute__((always_inline)) AVX512
 
@@ -214,6 +214,36 @@ AVX512_INLINE __m512 scores16(const Inputs *in, const float *q, const int64_t *r
   return _mm512_mul_ps(reduce16(sums), _mm512_set1_ps(in->scale));
 }
 
+/* acc[g] += sum over keys j < n of p[g][j] * value j, for the query heads g0.. of a KV head
+ * (ACC_REGS / (D / 16) of them, those below G), whose values lie at at[j]: the sums stay
+ * in registers over the n keys, each value row loaded once for every head of the block. The
+ * same fused multiply-adds in the same order as one key at a time through memory. */
+AVX512_INLINE void accumulate_values(const Inputs *in, const int64_t *at, int n,
+                                     float p[][KEYS], int64_t g0, int64_t G, float *acc, int D) {
+  const int chunks = D / 16, heads = ACC_REGS / chunks;
+  __m512 sums[ACC_REGS];
+  for (int g = 0; g < heads; g++)
+    for (int c = 0; c < chunks; c++)
+      sums[g * chunks + c] = g0 + g < G ? _mm512_loadu_ps(acc + (g0 + g) * D + 16 * c)
+                                        : _mm512_setzero_ps();
+  for (int j = 0; j < n; j++) {
+    __m512 v[MAX_CHUNKS];
+    for (int c = 0; c < chunks; c++)
+      v[c] = in->elem_bytes == 4 ? _mm512_loadu_ps((const float *)in->v_cache + at[j] + 16 * c)
+                                 : load_bf16((const uint16_t *)in->v_cache + at[j] + 16 * c);
+    for (int g = 0; g < heads; g++)
+      if (g0 + g < G) {
+        const __m512 w = _mm512_set1_ps(p[g0 + g][j]);
+        for (int c = 0; c < chunks; c++)
+          sums[g * chunks + c] = _mm512_fmadd_ps(w, v[c], sums[g * chunks + c]);
+      }
+  }
+  for (int g = 0; g < heads; g++)
+    if (g0 + g < G)
+      for (int c = 0; c < chunks; c++)
+        _mm512_storeu_ps(acc + (g0 + g) * D + 16 * c, sums[g * chunks + c]);
+}
+
 /* Every query head's online softmax over n <= 16 seen keys (rows: their slot row offsets,
  * padded to 16 with the first), acc [H, D], m [H], l [H] updated in place. */
 AVX512_INLINE void attend16(const Inputs *in, const float *q, const int64_t *rows, int n,
@@ -240,18 +270,8 @@ AVX512_INLINE void attend16(const Inputs *in, const float *q, const int64_t *row
                            _mm512_mul_ps(_mm512_loadu_ps(acc + head * D + 16 * c),
                                          _mm512_set1_ps(rescale)));
     }
-    for (int j = 0; j < n; j++) {
-      __m512 v[MAX_CHUNKS];
-      for (int c = 0; c < D / 16; c++)
-        v[c] = in->elem_bytes == 4 ? _mm512_loadu_ps((const float *)in->v_cache + at[j] + 16 * c)
-                                   : load_bf16((const uint16_t *)in->v_cache + at[j] + 16 * c);
-      for (int64_t g = 0; g < G; g++) {
-        float *a = acc + (h * G + g) * D;
-        const __m512 w = _mm512_set1_ps(p[g][j]);
-        for (int c = 0; c < D / 16; c++)
-          _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(a + 16 * c)));
-      }
-    }
+    for (int64_t g0 = 0; g0 < G; g0 += ACC_REGS / (D / 16))
+      accumulate_values(in, at, n, p, g0, G, acc + h * G * D, D);
   }
 }
 
@@ -335,10 +355,32 @@ static void attend_rows(const Inputs *in, const float *q, const int64_t *rows, i
   attend_tile(in, q, keys, values, local, n, acc, m, l);
 }
 
-/* Keys k0..k1 of sequence b: unnormalized acc [H, D], maxima m [H], sums l [H]. Returns 0, or
- * -2 for a slot outside the cache (nothing read there). */
-static int attend_part(const Inputs *in, int64_t b, int64_t k0, int64_t k1, float *scratch,
+/* Task t: keys k0..k1 (a part of PART keys) of sequence b. */
+typedef struct {
+  int64_t b, k0, k1;
+} Task;
+
+static Task task_of(const Inputs *in, int64_t t, int64_t parts) {
+  const int64_t k0 = t % parts * PART;
+  return (Task){t / parts, k0, k0 + PART < in->K ? k0 + PART : in->K};
+}
+
+/* Asks for the rows of task's first tile. A task's first keys have no tile before them to hide
+ * their loads behind: they are asked for while the task before them on the same thread runs. */
+static void prefetch_first_tile(const Inputs *in, Task task) {
+  int64_t rows[TILE];
+  const int64_t n = tile_rows(in, in->slots + task.b * in->K,
+                              in->valid ? in->valid + task.b * in->K : NULL, task.k0, task.k1,
+                              rows);
+  if (n > 0) prefetch_rows(in, rows, n, in->Hkv * in->D);
+}
+
+/* Keys k0..k1 of sequence b: unnormalized acc [H, D], maxima m [H], sums l [H]. Once its own
+ * tiles are all asked for, the first tile of ``ahead`` (the task this thread likely runs next;
+ * NULL: none) is. Returns 0, or -2 for a slot outside the cache (nothing read there). */
+static int attend_part(const Inputs *in, Task task, const Task *ahead, float *scratch,
                        float *acc, float *m, float *l) {
+  const int64_t b = task.b, k0 = task.k0, k1 = task.k1;
   const int64_t H = in->Hkv * in->G, D = in->D, row = in->Hkv * in->D;
   const float *q = in->q + b * H * D;
   const int64_t *slots = in->slots + b * in->K;
@@ -364,6 +406,9 @@ static int attend_part(const Inputs *in, int64_t b, int64_t k0, int64_t k1, floa
     if (after < k1) {
       after_n = tile_rows(in, slots, valid, after, k1, after_rows);
       if (after_n > 0) prefetch_rows(in, after_rows, after_n, row);
+    } else if (ahead) {
+      prefetch_first_tile(in, *ahead);
+      ahead = NULL;
     }
     if (n && in->avx512) {
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -422,10 +467,11 @@ static int paged_decode(const Inputs *in, int64_t B, int num_threads, float *out
   float *m = acc + tasks * H * D, *l = m + tasks * H;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
   for (int64_t t = 0; t < tasks; t++) {
-    const int64_t part = t % parts, b = t / parts;
-    const int64_t k0 = part * PART, k1 = k0 + PART < K ? k0 + PART : K;
+    /* tasks are taken in order, one at a time: a thread's next is about num_threads later */
+    const Task ahead = task_of(in, t + num_threads, parts);
     float *own = scratch + omp_get_thread_num() * scratch_size;
-    if (attend_part(in, b, k0, k1, own, acc + t * H * D, m + t * H, l + t * H)) {
+    if (attend_part(in, task_of(in, t, parts), t + num_threads < tasks ? &ahead : NULL, own,
+                    acc + t * H * D, m + t * H, l + t * H)) {
 #pragma omp atomic write
       status = -2;
     }
