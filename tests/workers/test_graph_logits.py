@@ -137,47 +137,48 @@ def test_mixed_graph_steps_sample_the_graphs_logits_as_eager_steps_do(tiny_llama
     assert len(graphed["logprobs"][1]) == 5
 
 
-def runner_with_graphs(model_dir) -> ModelRunner:
-    """A triton-backend runner of one rank, its decode steps through the eager stand-in."""
+def runner(model_dir, graphs: bool) -> ModelRunner:
+    """A triton-backend runner of one rank (dense weights: the LM head's GEMM writes the static
+    logits itself); ``graphs``: its decode steps through the eager stand-in."""
     config = load_model_config(model_dir)
     model = LlamaForCausalLM(config, TPGroup(0, 1, CPU), torch.float32, 64,
                              make_attention_backend("triton"))
     load_weights(model, model_dir)
     kv_cache = KVCache(KVCacheSpec(config.num_layers, 8, 4, config.num_kv_heads, config.head_dim,
                                    torch.float32), CPU, with_scratch_block=True)
-    runner = ModelRunner(model, kv_cache, CPU, max_model_len=64, max_graph_batch=4)
-    runner.graphs = DecodeGraphs(model, kv_cache, runner.tables, 64, max_batch=4,
-                                 capture=False)
-    return runner
+    made = ModelRunner(model, kv_cache, CPU, max_model_len=64, max_graph_batch=4)
+    if graphs:
+        made.graphs = DecodeGraphs(model, kv_cache, made.tables, 64, max_batch=4, capture=False)
+    return made
 
 
 def test_last_sampled_outlives_a_replay_in_which_not_every_row_samples(tiny_llama, caplog):
     """A step's greedy ids become ``last_sampled`` as the graph's view; a later replay whose
     rows do not all sample overwrites that view, and the runner keeps the ids it names."""
     with caplog.at_level("INFO", logger="workers.cuda_graphs"):
-        runner = runner_with_graphs(tiny_llama)
+        graphed = runner(tiny_llama, graphs=True)
     assert "static logits of 4 x 509 float32" in caplog.text  # its size, logged once
-    runner.execute(StepPlan(seqs=(NewSeqStep(0, (5, 17, 40), 0, (0, 1), True),
-                                  NewSeqStep(1, (100, 3), 0, (2, 3), True))))
-    step = runner.execute(StepPlan(seqs=(KnownSeqStep(0, (9,), (), True),
-                                         KnownSeqStep(1, (8,), (), True))))
+    graphed.execute(StepPlan(seqs=(NewSeqStep(0, (5, 17, 40), 0, (0, 1), True),
+                                   NewSeqStep(1, (100, 3), 0, (2, 3), True))))
+    step = graphed.execute(StepPlan(seqs=(KnownSeqStep(0, (9,), (), True),
+                                          KnownSeqStep(1, (8,), (), True))))
     assert step.greedy_ids is not None and torch.equal(step.greedy_ids, first_max(step.logits))
-    runner.last_sampled = step.greedy_ids  # what the sampler hands on for an all-greedy step
+    graphed.last_sampled = step.greedy_ids  # what the sampler hands on for an all-greedy step
     sampled = step.greedy_ids.clone()
     # Neither row samples (the tokens of prefill chunks): the sampler leaves last_sampled be.
-    none = runner.execute(StepPlan(seqs=(KnownSeqStep(0, (250,), (), False),
-                                         KnownSeqStep(1, (251,), (), False))))
+    none = graphed.execute(StepPlan(seqs=(KnownSeqStep(0, (250,), (), False),
+                                          KnownSeqStep(1, (251,), (), False))))
     assert none.logits.shape[0] == 0 and none.greedy_ids is None
     assert not torch.equal(step.greedy_ids, sampled)  # the replay rewrote the graph's ids
-    assert torch.equal(runner.last_sampled, sampled)
+    assert torch.equal(graphed.last_sampled, sampled)
     # Placeholders name its rows: the next step runs the ids sampled two steps before.
-    placeholders = runner.execute(StepPlan(seqs=(KnownSeqStep(0, (-1,), (), True),
-                                                 KnownSeqStep(1, (-2,), (), True))))
-    reference = runner_with_graphs(tiny_llama)
+    placeholders = graphed.execute(StepPlan(seqs=(KnownSeqStep(0, (-1,), (), True),
+                                                  KnownSeqStep(1, (-2,), (), True))))
+    eager = runner(tiny_llama, graphs=False)
     for plan in (StepPlan(seqs=(NewSeqStep(0, (5, 17, 40, 9, 250), 0, (0, 1), False),
                                 NewSeqStep(1, (100, 3, 8, 251), 0, (2, 3), False))),
                  StepPlan(seqs=(KnownSeqStep(0, (int(sampled[0]),), (), True),
                                 KnownSeqStep(1, (int(sampled[1]),), (), True)))):
-        expected = reference.execute(plan)
-    assert torch.equal(placeholders.greedy_ids, expected.greedy_ids)
+        expected = eager.execute(plan)
+    assert torch.equal(placeholders.greedy_ids, first_max(expected.logits))
     assert torch.allclose(placeholders.logits, expected.logits, atol=1e-5)
