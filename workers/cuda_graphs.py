@@ -143,7 +143,8 @@ class DecodeGraphs:
     def capture_all(self) -> List[int]:
         """Capture the graph of every size now, largest first, from batches of padding rows
         (they write into the scratch block alone: no real block changes). Returns the sizes in
-        the order run. Without ``capture`` each size's forward runs once, eagerly."""
+        the order run. Without ``capture`` each size's forward runs once, eagerly. Before the
+        first step: it overwrites the static outputs."""
         order = sorted(self.sizes, reverse=True)
         for size in order:
             self._stage((), (), size)
@@ -156,7 +157,8 @@ class DecodeGraphs:
     def replay_host_s(self, size: int) -> float:
         """Host seconds that launching one replay of the graph for ``size`` (one of ``sizes``)
         takes, the device idle before it, with padding rows staged (they write the scratch block
-        alone): what a decode step costs the host to launch. For diagnostics."""
+        alone): what a decode step costs the host to launch. For diagnostics, between steps:
+        it overwrites the static outputs, so no step's outputs may still be unread."""
         self._stage((), (), size)
         if size not in self._graphs:
             self._graphs[size] = self._capture(size)
