@@ -201,13 +201,13 @@ def execute_plan(rank: Rank, plan: StepPlan
         transfer.submit(plan.tier_ops)
     if transfer is not None and plan.wait_spill_reads:
         transfer.wait_device_reads()
-    logits = rank.runner.execute(plan)
+    step = rank.runner.execute(plan)
     results = None
     if transfer is not None and transfer.num_outstanding:
         # A TransferError is this rank's copy worker failing, not the collective.
         with rank.tp.counting_errors(not_collective=(TransferError,)):
             results = transfer.agree(rank.tp.cpu_group, wait=plan.wait_transfers)
-    return logits, results
+    return step, results
 
 
 def share_sampled(rank: Rank, plan: StepPlan, sampled: Optional[torch.Tensor] = None) -> None:
