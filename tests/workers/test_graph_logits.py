@@ -36,13 +36,14 @@ GREEDY = dict(temperature=0.0)
 
 def engine(model_dir, graphs: bool, **overrides):
     """A triton-backend engine; ``graphs``: its decode steps through the eager stand-in."""
-    engine = LLMEngine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=96,
-                                    attention_backend="triton", dtype="float32", **overrides))
+    made = LLMEngine(EngineConfig(model=str(model_dir), block_size=4, num_kv_blocks=96,
+                                  attention_backend="triton", dtype="float32", **overrides))
     if graphs:
-        runner = engine.rank.runner
-        runner.graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.tables,
-                                     max_model_len=256, max_batch=8, capture=False)
-    return engine
+        ranks_runner = made.rank.runner
+        ranks_runner.graphs = DecodeGraphs(ranks_runner.model, ranks_runner.kv_cache,
+                                           ranks_runner.tables, max_model_len=256, max_batch=8,
+                                           capture=False)
+    return made
 
 
 class _LogitOps(TorchDispatchMode):
