@@ -3,8 +3,9 @@
 The vocabulary is split into ``tp`` equal ranges of ``ceil(vocab / tp)`` rows; the last range is
 padded with zero rows when the vocabulary does not divide evenly. The embedding looks up the ids
 in its range, zeroes the others and sums over ranks with one all-reduce. The LM head computes the
-logits of its range and gathers them on rank 0, which trims the padding. A tied LM head reuses the
-embedding's weight, so it is read from the checkpoint once.
+logits of its range and gathers them on rank 0, which trims the padding (into a buffer the caller
+passes, if any). A tied LM head reuses the embedding's weight, so it is read from the checkpoint
+once.
 """
 
 from __future__ import annotations
@@ -66,7 +67,17 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Share the embedding's weight (tied word embeddings); nothing is read for the head."""
         self.weight = embedding.weight
 
-    def forward(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+    def forward(self, hidden: torch.Tensor,
+                out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """``[N, vocab]`` logits of ``hidden`` ``[N, hidden]`` on rank 0, None elsewhere; every
+        rank takes part in the gather. ``out`` (rank 0 only, contiguous ``[N, vocab]`` in the
+        weight's dtype): written and returned, so the logits land in a buffer the caller keeps
+        (a decode graph's); at TP 1 with a dense weight the GEMM writes it directly."""
+        if out is not None and self.tp.world_size == 1 and self.packed is None:
+            return torch.mm(hidden, self.weight.t(), out=out)
         local = dense_or_packed(hidden, self.weight, self.packed)  # [N, rows_per_rank]
         logits = self.tp.gather_to_first(local)  # [N, rows_per_rank * tp] on rank 0
-        return None if logits is None else logits[:, :self.vocab_size]
+        if logits is None:
+            return None
+        logits = logits[:, :self.vocab_size]
+        return logits if out is None else out.copy_(logits)

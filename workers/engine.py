@@ -33,6 +33,7 @@ from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.keepalive import PlanKeepalive
 from workers.request_intake import check_resume, check_token_ids, choice_generator, tokenize
+from workers.step_logits import StepLogits
 from workers.step_plan import StepPlan, broadcast_plan
 from workers.step_sampling import LaunchedStep, StepSampler
 from workers.structured.decoding import StructuredDecoding
@@ -210,8 +211,8 @@ class LLMEngine:
             outputs = self._read_launched()
         scheduled = self.scheduler.schedule()
         plan = self._sampler.plan_to_send(scheduled.plan)
-        logits, tier_results = self._execute(plan)
-        launched = self._sampler.launch(scheduled, plan, logits)
+        step_logits, tier_results = self._execute(plan)
+        launched = self._sampler.launch(scheduled, plan, step_logits)
         self.scheduler.update(scheduled, tier_results)
         outputs += [self._finish_output(r) for r in self._aborted + list(scheduled.finished)]
         self._aborted = []
@@ -230,7 +231,7 @@ class LLMEngine:
             return []
         return [self._append(request, token) for request, token in launched.read()]
 
-    def _execute(self, plan: StepPlan) -> Tuple[Optional[torch.Tensor], Optional[TierOpResults]]:
+    def _execute(self, plan: StepPlan) -> Tuple[Optional[StepLogits], Optional[TierOpResults]]:
         tiers = self.scheduler.kv.tiers
         if not (plan.seqs or plan.freed_ids or plan.tier_ops
                 or (tiers is not None and tiers.has_outstanding)):

@@ -12,8 +12,10 @@ long prefill plus a decoding row for each other sequence up to ``max_num_seqs``,
 sampled, through the real model into a KV cache just big enough for it. Its peak is read from
 PyTorch's allocator; the sampler, which runs on rank 0 after the step, is reserved for from the
 logits' size (probabilities, a sorted copy and its indices per sampled row). CUDA graphs are
-captured later, and the KV tiers' copy staging buffer (`kv.tiers.block_staging`, at most
-``DEFAULT_STAGING_BYTES``) is allocated later, both in the memory the utilization leaves free.
+captured later, with their static outputs (``max_num_seqs`` x vocabulary logits in the model's
+dtype on rank 0, logged when allocated), and the KV tiers' copy staging buffer
+(`kv.tiers.block_staging`, at most ``DEFAULT_STAGING_BYTES``) is allocated later, all in the
+memory the utilization leaves free.
 """
 
 from __future__ import annotations
@@ -83,15 +85,16 @@ def plan_blocks(plan: StepPlan) -> int:
 
 
 def run_profile_step(model, spec: KVCacheSpec, device: torch.device, plan: StepPlan,
-                     max_model_len: int) -> torch.Tensor:
+                     max_model_len: int) -> Optional[torch.Tensor]:
     """Run ``plan`` through ``model`` into a KV cache of its own (``spec`` with the plan's
-    blocks), dropped afterwards with its runner; returns the logits."""
+    blocks), dropped afterwards with its runner; returns the logits (rank 0; None elsewhere)."""
     cache_spec = KVCacheSpec(spec.num_layers, plan_blocks(plan), spec.block_size,
                              spec.num_kv_heads, spec.head_dim, spec.dtype)
     cache = KVCache(cache_spec, device, with_scratch_block=model.attention.reads_block_tables)
     runner = ModelRunner(model, cache, device, max_model_len, cuda_graphs=False,
                          max_graph_batch=len(plan.seqs))
-    return runner.execute(plan)
+    step = runner.execute(plan)
+    return None if step is None else step.logits
 
 
 def profile_memory(model, spec: KVCacheSpec, device: torch.device, plan: StepPlan,

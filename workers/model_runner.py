@@ -2,7 +2,8 @@
 
 The runner mirrors each sequence's block table and cached length from the plans it has run, builds
 the attention metadata (through the model's attention backend), runs the model and, on rank 0,
-returns the logits of the sequences that need sampling.
+returns the logits of the sequences that need sampling (``StepLogits``; a decode graph's step
+in which every row samples adds their greedy ids, computed in the graph).
 
 Two ways to build a step's inputs, chosen by the backend:
 
@@ -15,7 +16,8 @@ Two ways to build a step's inputs, chosen by the backend:
 
 A plan's token id may be a placeholder for a token sampled by the previous step whose id only the
 device has (the overlapped step loop): it is taken from ``last_sampled`` on the device, so no
-rank waits for the host to learn it.
+rank waits for the host to learn it. ``last_sampled`` may view a decode graph's static greedy ids
+(`workers.step_logits`): before a replay in which not every row samples, the runner copies it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kv.host_staging import tensor_on
 from kv.kv_cache import KVCache
 from workers.cuda_graphs import DecodeGraphs
 from workers.models.llama import LlamaForCausalLM
+from workers.step_logits import StepLogits
 from workers.step_plan import NewSeqStep, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -90,8 +93,10 @@ class ModelRunner:
         return sizes
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> Optional[torch.Tensor]:
-        """Run ``plan``; returns ``[num sampled seqs, vocab]`` logits on rank 0, else None."""
+    def execute(self, plan: StepPlan) -> Optional[StepLogits]:
+        """Run ``plan``; returns the ``[num sampled seqs, vocab]`` logits on rank 0 (with their
+        greedy ids after a decode graph's step in which every row samples), else None. After a
+        graph's step they view its static outputs: read them before the next ``execute``."""
         for seq_id in plan.freed_ids:
             self._block_tables.pop(seq_id, None)
             self._num_computed.pop(seq_id, None)
@@ -102,8 +107,15 @@ class ModelRunner:
         if self.tables is None:
             hidden, rows = self._run_from_lists(plan)
         else:
-            hidden, rows = self._run_from_tables(plan)
-        return self.model.compute_logits(hidden if rows is None else hidden[rows])
+            seqs, input_ids, last_rows = self._update_tables(plan)
+            if self.graphs is not None and self.graphs.can_run(seqs):
+                return self._run_graph(seqs, input_ids, last_rows)
+            step = build_device_step(self.tables, seqs, input_ids, last_rows, self.block_size,
+                                     self.model.config.layer_windows)
+            ids = self._with_sampled(step.input_ids, input_ids)
+            hidden, rows = self.model(ids, step.metadata, self.kv_cache), step.logit_rows
+        logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
+        return None if logits is None else StepLogits(logits)
 
     def _run_from_lists(self, plan: StepPlan) -> Tuple[torch.Tensor, torch.Tensor]:
         slices, input_ids, last_rows = [], [], []
@@ -126,7 +138,9 @@ class ModelRunner:
         hidden = self.model(tokens, metadata, self.kv_cache)  # [T, hidden]
         return hidden, tensor_on(last_rows, torch.long, self.device)
 
-    def _run_from_tables(self, plan: StepPlan) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _update_tables(self, plan: StepPlan) -> Tuple[List[DeviceSeq], List[int], List[int]]:
+        """The device tables and cached lengths updated by ``plan``; its sequences, their input
+        ids (flat) and the index of each sampled sequence's last token in them."""
         assert self.tables is not None
         seqs, input_ids, last_rows = [], [], []
         for step in plan.seqs:
@@ -143,16 +157,23 @@ class ModelRunner:
             if step.needs_logits:
                 last_rows.append(len(input_ids) - 1)
         self.tables.flush()
-        if self.graphs is not None and self.graphs.can_run(seqs):
-            hidden = self.graphs.run(seqs, input_ids,  # [B, hidden], one row per decode
-                                     fill=lambda ids: self._with_sampled(ids, input_ids))
-            if len(last_rows) == len(seqs):
-                return hidden, None  # every row samples: no gather
-            return hidden, tensor_on(last_rows, torch.long, self.device)
-        step = build_device_step(self.tables, seqs, input_ids, last_rows, self.block_size,
-                                 self.model.config.layer_windows)
-        ids = self._with_sampled(step.input_ids, input_ids)
-        return self.model(ids, step.metadata, self.kv_cache), step.logit_rows
+        return seqs, input_ids, last_rows
+
+    def _run_graph(self, seqs: List[DeviceSeq], input_ids: List[int],
+                   last_rows: List[int]) -> Optional[StepLogits]:
+        """A decode-only step through the graphs. Every row samples: the graph's views as they
+        are (the step's sampling replaces ``last_sampled``); else the sampled rows' logits,
+        gathered, and ``last_sampled`` copied first if the replay would overwrite it."""
+        assert self.graphs is not None
+        every_row_samples = len(last_rows) == len(seqs)
+        if not every_row_samples and self.graphs.holds(self.last_sampled):
+            assert self.last_sampled is not None
+            self.last_sampled = self.last_sampled.clone()
+        out = self.graphs.run(seqs, input_ids,
+                              fill=lambda ids: self._with_sampled(ids, input_ids))
+        if out is None or every_row_samples:
+            return out
+        return StepLogits(out.logits[tensor_on(last_rows, torch.long, self.device)])
 
     def _with_sampled(self, ids: torch.Tensor, host_ids: List[int]) -> torch.Tensor:
         """``ids`` (``host_ids`` on the device) with each placeholder replaced, on the device, by

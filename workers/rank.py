@@ -30,6 +30,7 @@ from workers.memory_profile import size_kv_pool
 from workers.model_config import ModelConfig, load_model_config
 from workers.model_runner import ModelRunner
 from workers.models.registry import model_class
+from workers.step_logits import StepLogits
 from workers.step_plan import StepPlan, broadcast_plan
 from workers.tier_setup import RankTierConfig, RankTiers, build_rank_tiers
 
@@ -187,25 +188,26 @@ def build_rank(config: RankConfig, check_peers: Optional[Callable[[], None]] = N
 
 
 def execute_plan(rank: Rank, plan: StepPlan
-                 ) -> Tuple[Optional[torch.Tensor], Optional[TierOpResults]]:
+                 ) -> Tuple[Optional[StepLogits], Optional[TierOpResults]]:
     """Run one plan on this rank: queue its transfers, wait for spills still reading blocks the
     model is about to write (when the plan says so), run the model, then agree with the other
     ranks on finished transfers.
 
     Every rank reaches the agreement at the same plans (outstanding counts follow the plans), so
-    its collectives match. Returns the logits (rank 0) and the agreed transfer outcomes, if any."""
+    its collectives match. Returns the step's logits (rank 0; `workers.step_logits`) and the
+    agreed transfer outcomes, if any."""
     transfer = rank.tiers.transfer if rank.tiers is not None else None
     if transfer is not None and plan.tier_ops:
         transfer.submit(plan.tier_ops)
     if transfer is not None and plan.wait_spill_reads:
         transfer.wait_device_reads()
-    logits = rank.runner.execute(plan)
+    step = rank.runner.execute(plan)
     results = None
     if transfer is not None and transfer.num_outstanding:
         # A TransferError is this rank's copy worker failing, not the collective.
         with rank.tp.counting_errors(not_collective=(TransferError,)):
             results = transfer.agree(rank.tp.cpu_group, wait=plan.wait_transfers)
-    return logits, results
+    return step, results
 
 
 def share_sampled(rank: Rank, plan: StepPlan, sampled: Optional[torch.Tensor] = None) -> None:

@@ -5,11 +5,14 @@ an event on the stream; ``SampleCopy.wait`` waits for that event alone (no strea
 synchronization), so the host can launch the next step first and read this one while the device
 computes the next. Two buffers are enough because the engine reads a step's ids before it starts
 the copy of the step after the next. Logprobs, when asked for, go the same way through pinned
-tensors of their own. Elsewhere the samples are on the host already and are read as they are.
+tensors of their own. Elsewhere the samples are on the host already; their ids are copied at
+once, since they may view a decode graph's static buffer, which the next step overwrites
+(`workers.step_logits`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 import torch
@@ -44,7 +47,7 @@ class SampleCopier:
     def start(self, samples: DeviceSamples) -> SampleCopy:
         """Queue the copy of ``samples`` behind the work that computes them."""
         if not self._cuda:
-            return SampleCopy(samples, None)
+            return SampleCopy(dataclasses.replace(samples, tokens=samples.tokens.clone()), None)
         rows = samples.tokens.numel()
         if rows > self._buffers[0].numel():
             self._grow(rows)  # copies in flight keep their old buffer alive

@@ -2,7 +2,8 @@
 
 1. Logit processing, for the rows that ask for it (``logits_processing``): bias, penalties,
    ``min_tokens``; then the grammar masks of constrained rows (`workers.structured`).
-2. Greedy rows take the argmax; sampled rows are scaled by their temperature, filtered by
+2. Greedy rows take the argmax (in a step of greedy rows alone, the one a decode graph computed
+   with the logits, when it did); sampled rows are scaled by their temperature, filtered by
    top-k / top-p / min-p (one sort for the rows that need it) and drawn by an exponential race:
    ``argmax(p / q)`` with ``q ~ Exp(1)`` drawn from the row's own generator, which picks token i
    with probability ``p_i`` and keeps a seeded request's draws independent of its batch.
@@ -65,17 +66,21 @@ def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
                      generators: Sequence[torch.Generator],
                      histories: Optional[Sequence[History]] = None,
                      eos_token_ids: Sequence[int] = (),
-                     mask: Optional[TokenMask] = None) -> DeviceSamples:
+                     mask: Optional[TokenMask] = None,
+                     greedy_ids: Optional[torch.Tensor] = None) -> DeviceSamples:
     """One token per row of ``logits`` ``[N, V]``, row i drawn with ``generators[i]`` (on the
     logits' device), left on that device: nothing here waits for it. ``histories[i]`` (prompt
     ids, output ids) is needed by rows with penalties or ``min_tokens``; ``eos_token_ids`` are
     what ``min_tokens`` holds back. ``mask``: the tokens each constrained row may take, applied
     after logit processing and before greedy or random choice (logprobs stay those of the raw
-    logits)."""
+    logits). ``greedy_ids`` ``[N]``: ``first_max(logits)`` computed already (by a decode graph);
+    a step of greedy rows alone, unmasked and unprocessed, returns them as its tokens (the same
+    tensor: `workers.step_logits` says how long it stays valid)."""
     if mask is None and all(p.is_greedy and p.logprobs is None and not p.processes_logits
                             for p in params):
         # Widening to fp32 keeps every value and so the first maximum: no copy needed.
-        return DeviceSamples(first_max(logits), tuple(params))
+        tokens = first_max(logits) if greedy_ids is None else greedy_ids
+        return DeviceSamples(tokens, tuple(params))
     raw = logits.float()
     logits = raw
     if any(p.processes_logits for p in params):
@@ -114,10 +119,14 @@ def read_samples(samples: DeviceSamples) -> List[SampledToken]:
             for row, (token, p) in enumerate(zip(token_ids, samples.params))]
 
 
-def first_max(rows: torch.Tensor) -> torch.Tensor:
+def first_max(rows: torch.Tensor,
+              out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """The index of each row's first maximum, ``argmax``'s answer, as ``max``'s indices (a
-    cheaper kernel than ``argmax``'s on CPU)."""
-    return rows.max(dim=-1).indices
+    cheaper kernel than ``argmax``'s on CPU). ``out``: the (values, indices) tensors ``max``
+    writes, in ``rows``' dtype and int64 (a decode graph's static buffers); indices returned."""
+    if out is None:
+        return rows.max(dim=-1).indices
+    return torch.max(rows, dim=-1, out=out).indices
 
 
 def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],

@@ -19,13 +19,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-import torch
-
 from workers.rank import Rank, share_sampled
 from workers.request import Request
 from workers.sample_copy import SampleCopier, SampleCopy
 from workers.sampler import SampledToken, sample_on_device
 from workers.scheduler import ScheduledStep
+from workers.step_logits import StepLogits
 from workers.step_plan import StepPlan
 from workers.structured.decoding import StructuredDecoding
 
@@ -69,17 +68,19 @@ class StepSampler:
         return plan
 
     def launch(self, scheduled: ScheduledStep, plan: StepPlan,
-               logits: Optional[torch.Tensor]) -> Optional[LaunchedStep]:
-        """Sample the rows of ``plan`` that need it from ``logits``; the ids stay on the device
-        (every rank's ``last_sampled``) and their copy to the host starts. None: nothing sampled."""
+               step: Optional[StepLogits]) -> Optional[LaunchedStep]:
+        """Sample the rows of ``plan`` that need it from ``step`` (the graph's greedy ids when it
+        has them and every row is plainly greedy); the ids stay on the device (every rank's
+        ``last_sampled``) and their copy to the host starts, all queued before the next step's
+        model run (`workers.step_logits`). None: nothing sampled."""
         requests = [r for (r, _), seq in zip(scheduled.scheduled, plan.seqs) if seq.needs_logits]
         if not requests:
             return None
-        assert logits is not None and logits.shape[0] == len(requests)
+        assert step is not None and step.logits.shape[0] == len(requests)
         samples = sample_on_device(
-            logits, [r.params for r in requests], [r.generator for r in requests],
+            step.logits, [r.params for r in requests], [r.generator for r in requests],
             [(r.prompt_token_ids, r.output_token_ids) for r in requests], self.eos_token_ids,
-            self.structured.masks([r.grammar for r in requests]))
+            self.structured.masks([r.grammar for r in requests]), step.greedy_ids)
         self.rank.runner.last_sampled = samples.tokens
         if plan.share_sampled:
             share_sampled(self.rank, plan, samples.tokens)

@@ -2,7 +2,8 @@
 an eager decode, and a decode through ``DecodeGraphs`` with ``capture=False``, which stands in
 for a CUDA-graph replay here (the forward a graph captures, run eagerly under Triton's
 interpreter). On CUDA the same call sites are timed by events, in the graphs too
-(tests/parallel/test_graph_timing.py)."""
+(tests/parallel/test_graph_timing.py). The graph's LM head gathers on both ranks: rank 0 gets
+the eager decode's logits and their greedy ids, rank 1 nothing."""
 
 import os
 
@@ -16,6 +17,7 @@ from parallel.tp_group import TPGroupConfig  # noqa: E402
 from two_ranks import run_two_ranks  # noqa: E402
 from workers.cuda_graphs import DecodeGraphs  # noqa: E402
 from workers.rank import RankConfig, build_rank, execute_plan  # noqa: E402
+from workers.sampler import first_max  # noqa: E402
 from workers.step_plan import KnownSeqStep, NewSeqStep, StepPlan  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180),
@@ -33,21 +35,31 @@ def _time_each_step_class(rank_index, world, init_method, model_dir, results):
                             max_batch=2, capture=False)
     counts = {}
     latency.drain()
-    execute_plan(rank, StepPlan(seqs=(NewSeqStep(0, (5, 6, 7), 0, (0,), True),)))
+    execute_plan(rank, StepPlan(seqs=(NewSeqStep(0, (5, 6, 7), 0, (0,), True),
+                                      NewSeqStep(1, (5, 6, 7), 0, (1,), True))))
     counts["prefill"] = len(latency.drain())
-    execute_plan(rank, StepPlan(seqs=(KnownSeqStep(0, (8,), (), True),)))
+    eager, _ = execute_plan(rank, StepPlan(seqs=(KnownSeqStep(0, (8,), (), True),)))
     counts["eager decode"] = len(latency.drain())
-    runner.graphs = stand_in
-    execute_plan(rank, StepPlan(seqs=(KnownSeqStep(0, (9,), (1,), True),)))
+    runner.graphs = stand_in  # the same token after the same prompt, in the other sequence
+    graph, _ = execute_plan(rank, StepPlan(seqs=(KnownSeqStep(1, (8,), (), True),)))
     counts["graph decode"] = len(latency.drain())
-    results.put((rank_index, counts, stand_in.num_runs, rank.config.num_layers))
+    outputs = None
+    if graph is not None:
+        outputs = (graph.greedy_ids.tolist(), first_max(eager.logits).tolist(),
+                   (graph.logits - eager.logits).abs().max().item())
+    results.put((rank_index, counts, stand_in.num_runs, rank.config.num_layers, outputs,
+                 eager is None))
     rank.tp.destroy()
 
 
 def test_every_step_class_times_its_all_reduces(tiny_llama):
     rows = run_two_ranks(_time_each_step_class, str(tiny_llama))
-    for rank_index, counts, num_graph_runs, num_layers in rows:
+    for rank_index, counts, num_graph_runs, num_layers, _, _ in rows:
         # The embedding's all-reduce and two per layer (attention and MLP outputs).
         assert counts == dict.fromkeys(["prefill", "eager decode", "graph decode"],
                                        1 + 2 * num_layers), rank_index
         assert num_graph_runs == 1
+    (_, _, _, _, outputs, _), (_, _, _, _, nothing, no_logits) = rows
+    graph_ids, eager_ids, max_diff = outputs
+    assert graph_ids == eager_ids and max_diff < 1e-4
+    assert nothing is None and no_logits

@@ -5,10 +5,13 @@ What counts: every aten op that launches a device kernel (math, copies, reductio
 writes, each matmul once) and every Triton launch; not views or other metadata-only ops, nor
 allocations, which launch nothing. The decode attention is sized as a CUDA graph sizes it (for the
 model's longest context), so it splits and combines: two kernels. The step's cos/sin lookup is
-done once for every layer, outside the count. Also: a whole-model greedy decode on the fused path
-gives the unfused path's ids.
+done once for every layer, outside the count. A whole decode graph's forward (`DecodeGraphs`)
+adds a few launches around its layers: the step's metadata, the embedding, the final norm, the
+LM head and the greedy ids. Also: a whole-model greedy decode on the fused path gives the unfused
+path's ids.
 """
 
+import collections
 import itertools
 import os
 
@@ -20,16 +23,22 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from kv.attention.backend import make_attention_backend  # noqa: E402
+from kv.attention.block_table_metadata import DeviceSeq  # noqa: E402
+from kv.attention.device_block_tables import DeviceBlockTables  # noqa: E402
 from kv.attention.metadata import SeqSlice  # noqa: E402
 from kv.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 from parallel.tp_group import TPGroup  # noqa: E402
 from scripts.gpu.kernel_count import count_kernels, decode_layer_step  # noqa: E402
+from workers.cuda_graphs import DecodeGraphs  # noqa: E402
 from workers.loader import load_weights  # noqa: E402
 from workers.model_config import load_model_config  # noqa: E402
 from workers.models.llama import LlamaForCausalLM  # noqa: E402
 
 CPU = torch.device("cpu")
 MAX_KERNELS_PER_LAYER = 12  # issue 38's target (vLLM runs 9-11)
+# Outside the layers: the staging copy, the block table gather and slot arithmetic, the
+# embedding, the cos/sin lookup, the final norm, the LM head and the greedy ids.
+MAX_KERNELS_OUTSIDE_LAYERS = 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -49,6 +58,26 @@ def test_the_unfused_layer_is_over_the_target(dtype, expected):
     counts = count_kernels(decode_layer_step(CPU, dtype, fused=False).run)
     assert sum(counts.values()) == expected > MAX_KERNELS_PER_LAYER, counts
     assert counts["index_copy_"] == 2 and counts["cat"] == 1 and counts["mean"] == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_graph_holds_the_lm_head_and_the_greedy_ids(dtype):
+    step = decode_layer_step(CPU, dtype, fused=True)
+    tables = DeviceBlockTables(32, CPU, num_rows=4, padding_block=step.kv_cache.scratch_block)
+    for seq_id in range(4):
+        tables.add(seq_id, [3 * seq_id, 3 * seq_id + 1, 3 * seq_id + 2])
+    tables.flush()
+    graphs = DecodeGraphs(step.model, step.kv_cache, tables, max_model_len=512, max_batch=4,
+                          capture=False)
+    seqs = [DeviceSeq(tables.row_of(seq_id), 1, 40) for seq_id in range(4)]
+    whole = count_kernels(lambda: graphs.run(seqs, [5, 6, 7, 8]))
+    num_layers = len(step.model.model.layers)
+    layers = collections.Counter({name: count * num_layers
+                                  for name, count in count_kernels(step.run).items()})
+    outside = whole - layers
+    assert whole - outside == layers  # every layer launched what the layer count says
+    assert outside["mm"] == 1 and outside["max"] == 1, outside  # LM head, greedy ids
+    assert sum(outside.values()) <= MAX_KERNELS_OUTSIDE_LAYERS, outside
 
 
 def test_views_and_allocations_are_not_counted():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from workers.sampler import sample
+from workers.sampler import first_max, sample, sample_on_device
 from workers.sampling_params import SamplingParams
 
 
@@ -27,6 +27,29 @@ def test_greedy_rows_of_bf16_logits_take_the_first_maximum_as_in_fp32():
     assert ids == logits.float().argmax(-1).tolist()
     with_logprobs = [SamplingParams(temperature=0.0, logprobs=0)] * 64  # through fp32
     assert [t.token_id for t in sample(logits, with_logprobs, [gen()] * 64)] == ids
+
+
+def test_the_static_paths_first_maximum_into_buffers_is_the_first_maximum():
+    logits = (torch.randn(6, 300, generator=gen(2)) * 4).round().to(torch.bfloat16)  # ties
+    values, ids = torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.long)
+    assert first_max(logits, out=(values[:6], ids[:6])).data_ptr() == ids.data_ptr()
+    assert ids[:6].tolist() == logits.float().argmax(-1).tolist()
+
+
+def test_greedy_ids_given_are_the_tokens_of_a_plain_greedy_step_alone():
+    """The decode graph's ids are the tokens when every row is greedy without logprobs,
+    processing or a mask; any other step samples from the logits."""
+    logits = torch.randn(3, 50, generator=gen(3))
+    given = torch.tensor([7, 8, 9])  # not the argmax: which path answered shows
+    greedy = [SamplingParams(temperature=0.0)] * 3
+    assert sample_on_device(logits, greedy, [gen()] * 3, greedy_ids=given).tokens is given
+    others = [[SamplingParams(temperature=0.0, logprobs=1)] * 3,
+              greedy[:2] + [SamplingParams(temperature=0.8, seed=1)],
+              [SamplingParams(temperature=0.0, repetition_penalty=1.0001)] * 3]
+    for params in others:
+        tokens = sample_on_device(logits, params, [gen()] * 3, [((1,), ())] * 3,
+                                  greedy_ids=given).tokens
+        assert tokens[:2].tolist() == first_max(logits)[:2].tolist(), params
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy_at_any_temperature():

@@ -155,6 +155,8 @@ class LlamaForCausalLM(nn.Module):
         norm = self.model.norm
         return self.ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
-        """``[N, vocab]`` logits on rank 0, None on the other ranks."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor,
+                       out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """``[N, vocab]`` logits on rank 0 (written into ``out`` when given), None on the other
+        ranks (`parallel.embedding.ParallelLMHead`)."""
+        return self.lm_head(hidden, out)
