@@ -108,12 +108,20 @@ def profile_memory(model, spec: KVCacheSpec, device: torch.device, plan: StepPla
     torch.cuda.synchronize(device)
     cache_bytes = plan_blocks(plan) * spec.bytes_per_block
     peak_step = max(0, torch.cuda.max_memory_allocated(device) - before - cache_bytes)
-    num_rows, vocab = logits.shape
+    reserve = sampler_reserve(logits)
     del logits
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    return MemoryProfile(total, total - free, peak_step,
-                         num_rows * vocab * SAMPLER_BYTES_PER_LOGIT)
+    return MemoryProfile(total, total - free, peak_step, reserve)
+
+
+def sampler_reserve(logits: Optional[torch.Tensor]) -> int:
+    """Bytes the sampler may hold for the profile step's ``logits`` ``[rows, vocab]``: 0 on the
+    ranks that get none (TP ranks 1..N-1, which do not sample)."""
+    if logits is None:
+        return 0
+    num_rows, vocab = logits.shape
+    return num_rows * vocab * SAMPLER_BYTES_PER_LOGIT
 
 
 def agree_min(value: int, cpu_group: Optional[dist.ProcessGroup]) -> int:

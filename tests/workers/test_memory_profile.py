@@ -20,8 +20,8 @@ from tiny_models import hf_greedy  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine_sizing import fit_context_to_pool  # noqa: E402
 from workers.llm import LLM  # noqa: E402
-from workers.memory_profile import (GIB, MemoryProfile, profile_plan,  # noqa: E402
-                                    run_profile_step)
+from workers.memory_profile import (GIB, SAMPLER_BYTES_PER_LOGIT, MemoryProfile,  # noqa: E402
+                                    profile_plan, run_profile_step, sampler_reserve)
 from workers.sampling_params import SamplingParams  # noqa: E402
 from workers.step_plan import NewSeqStep  # noqa: E402
 
@@ -145,3 +145,10 @@ def test_every_rank_of_a_group_takes_the_smallest_pool():
     for p in procs:
         p.join(30)
     assert rows == [(0, [700, 5, 0]), (1, [700, 5, 0])]
+
+
+def test_the_sampler_reserve_is_the_sampled_rows_and_nothing_on_ranks_without_logits():
+    """TP ranks 1..N-1 get no logits from the profile step (they do not sample): no reserve,
+    where reading the shape of their None would fail the rank's start."""
+    assert sampler_reserve(torch.empty(5, 300)) == 5 * 300 * SAMPLER_BYTES_PER_LOGIT
+    assert sampler_reserve(None) == 0
