@@ -17,11 +17,12 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from kv.attention.backend import make_attention_backend
+from kv.huge_pages import back_with_huge_pages
 from kv.kv_cache import KVCache, KVCacheSpec
 from kv.tiers.ops import TierOpResults
 from kv.tiers.transfer_progress import TransferError
 from parallel.cpu_capability import cpu_bf16_support
-from parallel.onednn_linear import pack_linear_weights
+from parallel.onednn_linear import PackedWeight, pack_linear_weights
 from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
 from workers.cpu_malloc import keep_freed_memory
 from workers.device_memory import DeviceMemory, device_memory
@@ -169,6 +170,8 @@ def build_rank(config: RankConfig, check_peers: Optional[Callable[[], None]] = N
             config.max_num_seqs, config.max_model_len, tp.startup_group or tp.cpu_group))
     # Backends that read block tables may pad a batch (CUDA graphs): padded rows need a block.
     kv_cache = KVCache(spec, device, with_scratch_block=attention.reads_block_tables)
+    if device.type == "cpu":
+        weights_on_huge_pages(model)
     runner = ModelRunner(model, kv_cache, device, config.max_model_len, config.cuda_graphs,
                          config.max_num_seqs)
     if runner.graphs is not None:  # before the tiers' copy thread starts
@@ -185,6 +188,21 @@ def build_rank(config: RankConfig, check_peers: Optional[Callable[[], None]] = N
     logger.info("rank %d/%d ready on %s (pid %d, %d linears through oneDNN)", tp.rank,
                 tp.world_size, device, os.getpid(), num_packed)
     return Rank(tp, model_config, runner, tiers)
+
+
+def weights_on_huge_pages(model: torch.nn.Module) -> None:
+    """The weights a CPU rank's steps read, moved onto huge pages (`kv.huge_pages`): each
+    oneDNN-packed copy, and the parameters of modules without one."""
+    tensors = []
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if isinstance(packed, PackedWeight):
+            tensors.append(packed.packed)
+        tensors += [p for name, p in module.named_parameters(recurse=False)
+                    if not (name == "weight" and isinstance(packed, PackedWeight))]
+    moved = back_with_huge_pages(tensors)
+    if moved:
+        logger.info("weights on huge pages: %.0f MiB", moved / 2**20)
 
 
 def execute_plan(rank: Rank, plan: StepPlan
