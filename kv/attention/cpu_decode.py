@@ -34,7 +34,7 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -103,9 +103,7 @@ class DecodeKernel:
         num_seqs, num_kv_heads, group, head_dim = q.shape
         dtype = q.dtype
         q = q.to(torch.float32).contiguous()  # [B, Hkv, G, D], fp32 for either cache dtype
-        slots = slots.to(torch.int64).contiguous()
-        if valid is not None:
-            valid = valid.to(torch.bool).contiguous()
+        slots, valid = _kernel_keys(slots, valid)
         out = torch.empty_like(q)
         if num_seqs == 0:
             return out.to(dtype)
@@ -113,15 +111,10 @@ class DecodeKernel:
                           slots.data_ptr(), None if valid is None else valid.data_ptr(),
                           k_cache.shape[0], num_seqs, slots.shape[1], num_kv_heads, group,
                           head_dim, scale, torch.get_num_threads(), out.data_ptr())
-        if status == -2:
-            raise IndexError(f"paged decode kernel: a slot outside the cache's "
-                             f"{k_cache.shape[0]} slots")
-        if status != 0:
-            raise ValueError(f"paged decode kernel refused q {tuple(q.shape)}, slots "
-                             f"{tuple(slots.shape)} (needs at least one key, at most "
-                             f"{MAX_HEADS} query heads)")
+        _check_status(status, k_cache.shape[0], lambda: ValueError(
+            f"paged decode kernel refused q {tuple(q.shape)}, slots {tuple(slots.shape)} "
+            f"(needs at least one key, at most {MAX_HEADS} query heads)"))
         return out.to(dtype)
-
 
     def attend_rows(self, query: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, slots: torch.Tensor, valid: Optional[torch.Tensor],
@@ -135,9 +128,7 @@ class DecodeKernel:
         if query.stride(2) != 1 or query.stride(1) != head_dim:
             query = query.contiguous()
         rows = rows.to(torch.int64).contiguous()
-        slots = slots.to(torch.int64).contiguous()
-        if valid is not None:
-            valid = valid.to(torch.bool).contiguous()
+        slots, valid = _kernel_keys(slots, valid)
         num_seqs, num_kv_heads = rows.shape[0], k_cache.shape[1]
         if num_seqs == 0:
             return
@@ -147,13 +138,25 @@ class DecodeKernel:
                             num_seqs, slots.shape[1], num_kv_heads, num_heads // num_kv_heads,
                             head_dim, scale, torch.get_num_threads(), out.data_ptr(),
                             out.stride(0), query.element_size())
-        if status == -2:
-            raise IndexError(f"paged decode kernel: a slot outside the cache's "
-                             f"{k_cache.shape[0]} slots")
-        if status != 0:
-            raise IndexError(f"paged decode kernel refused rows {tuple(rows.shape)} of a batch "
-                             f"of {num_tokens} (each must be in it), slots "
-                             f"{tuple(slots.shape)} (at least one key)")
+        _check_status(status, k_cache.shape[0], lambda: IndexError(
+            f"paged decode kernel refused rows {tuple(rows.shape)} of a batch of {num_tokens} "
+            f"(each must be in it), slots {tuple(slots.shape)} (at least one key)"))
+
+
+def _kernel_keys(slots: torch.Tensor, valid: Optional[torch.Tensor]
+                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``slots`` and ``valid`` as the kernel reads them: contiguous int64 and bool."""
+    slots = slots.to(torch.int64).contiguous()
+    return slots, None if valid is None else valid.to(torch.bool).contiguous()
+
+
+def _check_status(status: int, num_slots: int, refused: Callable[[], Exception]) -> None:
+    """Raise for a kernel's non-zero status: -2 a slot outside the caches' ``num_slots``, any
+    other ``refused()``."""
+    if status == -2:
+        raise IndexError(f"paged decode kernel: a slot outside the cache's {num_slots} slots")
+    if status != 0:
+        raise refused()
 
 
 def reference_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
