@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 from scripts.served.aiperf import AiperfError, AiperfLoad, ensure_aiperf, run_aiperf  # noqa: E402
 from scripts.served.servers import Server, ServerError, tpserve_spec, vllm_spec  # noqa: E402
 from scripts.vllm.report import cpu_info  # noqa: E402
+from scripts.vllm.cli import comma_choices, parse_with_smoke, require_at_least_one  # noqa: E402
 from scripts.vllm.venv import VenvError, ensure_venv  # noqa: E402
 
 CLIENTS = ("aiperf", "openai")
@@ -83,24 +84,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="directory for the servers' logs and aiperf's artifacts")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny run: 4 requests, 2 in flight, 8 output tokens, 1 round")
-    args = p.parse_args(argv)
-    if args.smoke:
-        for name, value in SMOKE.items():
-            setattr(args, name, value)
-    _check_args(p, args)
-    return args
+    return parse_with_smoke(p, argv, SMOKE, _check_args)
 
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in args.systems if s not in ("tpserve", "vllm")]
-    if unknown or not args.systems:
-        p.error(f"--systems: {', '.join(unknown) or 'empty'} is not a system; expected a "
-                f"comma-separated list of tpserve, vllm")
-    for name in ("concurrency", "num_requests", "input_tokens", "output_tokens", "rounds",
-                 "vllm_kv_gb"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    args.systems = comma_choices(p, "--systems", args.systems, ("tpserve", "vllm"), "system")
+    require_at_least_one(p, args, ("concurrency", "num_requests", "input_tokens",
+                                   "output_tokens", "rounds", "vllm_kv_gb"))
     if args.offline_threads is not None and args.offline_threads < 1:
         p.error(f"--offline-threads must be at least 1, got {args.offline_threads}")
     if not 1 <= args.port <= 65535:

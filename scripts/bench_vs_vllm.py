@@ -46,6 +46,7 @@ from scripts.engine.workloads import Workload, decode_workload, prefill_workload
 from scripts.traces import AZURE_CODE_TRACE, TraceError, read_azure  # noqa: E402
 from scripts.vllm.client import VllmError, VllmRunner, write_workload_file  # noqa: E402
 from scripts.vllm.report import Measurement, cpu_info, summary, table_lines  # noqa: E402
+from scripts.vllm.cli import comma_choices, parse_with_smoke, require_at_least_one  # noqa: E402
 from scripts.vllm.venv import VenvError, ensure_venv  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
@@ -87,23 +88,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "default: vLLM's, one per rank on x86)")
     p.add_argument("--smoke", action="store_true",
                    help="a tiny run: 4 + 4 requests, outputs capped at 16, 1 round")
-    args = p.parse_args(argv)
-    if args.smoke:
-        for name, value in SMOKE.items():
-            setattr(args, name, value)
-    _check_args(p, args)
-    return args
+    return parse_with_smoke(p, argv, SMOKE, _check_args)
 
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    unknown = [d for d in args.dtypes if d not in DTYPES]
-    if unknown or not args.dtypes:
-        p.error(f"--dtypes: {', '.join(unknown) or 'empty'} is not a dtype; expected a "
-                f"comma-separated list of {', '.join(DTYPES)}")
-    for name in ("num_requests", "decode_requests", "rounds", "agree_tokens", "vllm_kv_gb"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    args.dtypes = comma_choices(p, "--dtypes", args.dtypes, DTYPES, "dtype")
+    require_at_least_one(p, args, ("num_requests", "decode_requests", "rounds", "agree_tokens",
+                                   "vllm_kv_gb"))
     if args.max_output is not None and args.max_output < 1:
         p.error(f"--max-output must be at least 1, got {args.max_output}")
     if args.vllm_reserved_cpus is not None and args.vllm_reserved_cpus < 0:
