@@ -40,3 +40,14 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, expected: str,
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+
+
+def assert_flag_refused(script: ModuleType, capsys, argv, flag: str) -> None:
+    """``script.parse_args(argv)`` exits with argparse's status 2, naming ``flag`` on stderr."""
+    try:
+        script.parse_args(argv)
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError(f"{argv} was accepted")
+    assert flag in capsys.readouterr().err

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench_scripts import assert_one_line_error, load_script, run_script
+from bench_scripts import assert_flag_refused, assert_one_line_error, load_script, run_script
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +30,7 @@ def bench():
     (["--offline-threads", "0"], "--offline-threads must be at least 1"),
 ])
 def test_bad_arguments_name_the_flag(bench, capsys, argv, flag):
-    with pytest.raises(SystemExit) as exc:
-        bench.parse_args(argv)
-    assert exc.value.code == 2
-    assert flag in capsys.readouterr().err
+    assert_flag_refused(bench, capsys, argv, flag)
 
 
 def test_defaults_are_the_issue_load_and_smoke_is_small(bench):

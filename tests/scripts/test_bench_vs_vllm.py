@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench_scripts import assert_one_line_error, load_script, run_script
+from bench_scripts import assert_flag_refused, assert_one_line_error, load_script, run_script
 
 REQUIRED_KEYS = (
     "ratio_vs_vllm_bf16_prefill", "ratio_vs_vllm_bf16_decode", "ratio_vs_vllm_fp32_prefill",
@@ -45,10 +45,7 @@ def write_trace(path: Path, rows) -> Path:
     (["--vllm-kv-gb", "0"], "--vllm-kv-gb must be at least 1"),
 ])
 def test_bad_arguments_name_the_flag(bench, capsys, argv, flag):
-    with pytest.raises(SystemExit) as exc:
-        bench.parse_args(argv)
-    assert exc.value.code == 2
-    assert flag in capsys.readouterr().err
+    assert_flag_refused(bench, capsys, argv, flag)
 
 
 def test_smoke_and_dtypes(bench):
