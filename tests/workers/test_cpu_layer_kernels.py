@@ -24,37 +24,40 @@ def _randn(*shape, seed=0, scale=1.0):
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(BF16)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 64, 600])  # 600 x 576: over the threads' threshold
+# 64 x 576: over the threads' threshold; rows of 584: 16-value vectors and a scalar tail
+@pytest.mark.parametrize("num_tokens, hidden", [(1, 576), (64, 576), (600, 576), (33, 584)])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_add_rms_norm_equals_the_expressions(ops, num_tokens, with_residual):
+def test_add_rms_norm_equals_the_expressions(ops, num_tokens, hidden, with_residual):
     """Rows with outliers, where a sum of squares in another order than PyTorch's parts."""
     kernel, torch_ops = ops
     gen = torch.Generator().manual_seed(1)
-    x = (torch.randn(num_tokens, 576, generator=gen)
-         * torch.exp(2 * torch.randn(num_tokens, 576, generator=gen))).to(BF16)
-    weight = _randn(576, seed=2).abs() + 0.5
-    residual = _randn(num_tokens, 576, seed=3) if with_residual else None
+    x = (torch.randn(num_tokens, hidden, generator=gen)
+         * torch.exp(2 * torch.randn(num_tokens, hidden, generator=gen))).to(BF16)
+    weight = _randn(hidden, seed=2).abs() + 0.5
+    residual = _randn(num_tokens, hidden, seed=3) if with_residual else None
     got, want = (o.add_rms_norm(x, residual, weight, 1e-5) for o in (kernel, torch_ops))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("num_tokens, scale", [(1, 3.0), (64, 3.0), (200, 40.0)])
-def test_silu_and_mul_equals_the_expressions(ops, num_tokens, scale):
-    """Gates far out too (40 sigma: exp over- and underflowing)."""
+@pytest.mark.parametrize("num_tokens, width, scale",
+                         [(1, 1536, 3.0), (64, 1536, 3.0), (200, 1536, 40.0), (9, 1544, 40.0)])
+def test_silu_and_mul_equals_the_expressions(ops, num_tokens, width, scale):
+    """Gates far out too (40 sigma: exp over- and underflowing); rows of 1544: a scalar tail."""
     kernel, torch_ops = ops
-    gate_up = _randn(num_tokens, 2 * 1536, seed=4, scale=scale)
+    gate_up = _randn(num_tokens, 2 * width, seed=4, scale=scale)
     assert torch.equal(kernel.silu_and_mul(gate_up), torch_ops.silu_and_mul(gate_up))
 
 
-@pytest.mark.parametrize("num_tokens", [1, 48])
-def test_rope_write_kv_equals_the_expressions(ops, num_tokens):
+# heads of 64 and 128: halves of 16-value vectors; of 80: the scalar path
+@pytest.mark.parametrize("num_tokens, head_dim", [(1, 64), (48, 64), (30, 128), (7, 80)])
+def test_rope_write_kv_equals_the_expressions(ops, num_tokens, head_dim):
     kernel, torch_ops = ops
-    rotary = RotaryEmbedding(RopeConfig(theta=100000.0), 64, 4096, BF16, CPU)
+    rotary = RotaryEmbedding(RopeConfig(theta=100000.0), head_dim, 4096, BF16, CPU)
     gen = torch.Generator().manual_seed(5)
     tables = rotary.tables(torch.randint(0, 4096, (num_tokens,), generator=gen))
     slots = torch.randperm(500, generator=gen)[:num_tokens]
-    qkv = _randn(num_tokens, (9 + 2 * 3) * 64, seed=6)
-    caches = [torch.zeros(500, 3, 64, dtype=BF16) for _ in range(4)]
+    qkv = _randn(num_tokens, (9 + 2 * 3) * head_dim, seed=6)
+    caches = [torch.zeros(500, 3, head_dim, dtype=BF16) for _ in range(4)]
     got = kernel.rope_write_kv(qkv.clone(), tables, caches[0], caches[1], slots, 9, 3)
     want = torch_ops.rope_write_kv(qkv.clone(), tables, caches[2], caches[3], slots, 9, 3)
     assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -143,16 +143,16 @@ def check(kernels: LayerKernels) -> None:
     pairs = [(kernels.add_rms_norm(x, res, weight, 1e-5), ref.add_rms_norm(x, res, weight, 1e-5)),
              ((kernels.silu_and_mul(torch.cat([x, res], 1)),),
               (ref.silu_and_mul(torch.cat([x, res], 1)),))]
-    qkv = torch.randn(5, 4 * 16, generator=gen).bfloat16()  # 2 q heads, 1 KV head of 16
-    angles = torch.rand(5, 1, 16, generator=gen)
+    qkv = torch.randn(5, 4 * 32, generator=gen).bfloat16()  # 2 q heads, 1 KV head of 32
+    angles = torch.rand(5, 1, 32, generator=gen)
     tables = (angles.cos().bfloat16(), angles.sin().bfloat16())
-    caches = [torch.zeros(8, 1, 16, dtype=torch.bfloat16) for _ in range(4)]
+    caches = [torch.zeros(8, 1, 32, dtype=torch.bfloat16) for _ in range(4)]
     slots = torch.tensor([3, 0, 7, 5, 1])
     want = ref.rope_write_kv(qkv.clone(), tables, caches[0], caches[1], slots, 2, 1)
     got = qkv.clone()
     kernels.rope_write_kv(got, tables, caches[2], caches[3], slots, 2, 1)
-    pairs.append(((got[:, :48], caches[2], caches[3]),
-                  (torch.cat([want[0], want[1]], 1).reshape(5, 48), caches[0], caches[1])))
+    pairs.append(((got[:, :96], caches[2], caches[3]),
+                  (torch.cat([want[0], want[1]], 1).reshape(5, 96), caches[0], caches[1])))
     for got_values, want_values in pairs:
         for a, b in zip(got_values, want_values):
             error = (a.float() - b.float()).abs().max().item()
