@@ -10,6 +10,11 @@ to 64 tokens 2-4x faster.
 The results are fp32 (no reduced-precision math) but summed in another order than MKL's, so not
 bitwise equal to ``F.linear``: within about 1e-4 absolute for unit-scale inputs at K = 576.
 
+oneDNN builds (JIT-compiles) a kernel for each row count it meets, the first time: up to a few ms a
+shape. So a call's rows are padded with zero rows up to a bucket (`padded_rows`: exact up to 32,
+then 8 buckets per doubling, under 1/8 padding), which bounds the kernels a server builds, and
+`warm_up_linears` builds those of every decode batch size when a rank starts.
+
 Layers keep their dense ``weight`` (the loader writes it, tests and tied heads read it) and call
 ``PackedWeight`` when they hold one. ``pack_linear_weights`` packs every layer of a model that
 offers ``pack_weights``; set ``TPSERVE_ONEDNN_LINEAR=0`` to keep torch's default linears.
@@ -18,13 +23,24 @@ offers ``pack_weights``; set ``TPSERVE_ONEDNN_LINEAR=0`` to keep torch's default
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+EXACT_ROWS = 32  # row counts up to this run as they are
+BUCKETS_PER_DOUBLING = 8
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a call of ``rows`` rows runs at: ``rows`` up to `EXACT_ROWS`, above it the
+    next multiple of ``2 ** (floor(log2(rows)) - 3)`` (less than 1/8 of padding)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - BUCKETS_PER_DOUBLING.bit_length())  # 2^(floor - 3)
+    return -(-rows // step) * step
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -47,11 +63,23 @@ class PackedWeight:
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [T, in]
-        if rows.shape[0] == 0:
+        num_rows = rows.shape[0]
+        if num_rows == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
+        padded = padded_rows(num_rows)
+        if padded != num_rows:  # zero rows below, their outputs dropped
+            rows = torch.cat([rows, rows.new_zeros(padded - num_rows, self.in_features)])
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, bias, "none",
-                                                 [], "")  # [T, out]
-        return out.view(*x.shape[:-1], self.out_features)
+                                                 [], "")  # [padded, out]
+        return out[:num_rows].view(*x.shape[:-1], self.out_features)
+
+    def warm_up(self, max_rows: int, dtype: torch.dtype) -> int:
+        """Runs once at each bucket of `padded_rows` up to ``max_rows`` rows of ``dtype``, so
+        oneDNN has built their kernels; returns how many calls."""
+        sizes = sorted({padded_rows(rows) for rows in range(1, max_rows + 1)})
+        for size in sizes:
+            self.linear(torch.zeros(size, self.in_features, dtype=dtype))
+        return len(sizes)
 
 
 def pack_if_possible(weight: torch.Tensor) -> Optional[PackedWeight]:
@@ -64,6 +92,17 @@ def pack_linear_weights(model: nn.Module) -> int:
     Returns how many modules packed theirs."""
     return sum(bool(module.pack_weights()) for module in model.modules()
                if hasattr(module, "pack_weights"))
+
+
+def warm_up_linears(model: nn.Module, max_rows: int, dtype: torch.dtype) -> int:
+    """`PackedWeight.warm_up` for one packed weight of each shape in ``model`` (oneDNN keeps a
+    kernel per shape and row count, whichever weight it ran for); returns the calls made."""
+    by_shape: Dict[Tuple[int, int], PackedWeight] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, PackedWeight):
+                by_shape.setdefault((value.out_features, value.in_features), value)
+    return sum(packed.warm_up(max_rows, dtype) for packed in by_shape.values())
 
 
 def dense_or_packed(x: torch.Tensor, weight: torch.Tensor, packed: Optional[PackedWeight],

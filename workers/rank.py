@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional, Tuple
@@ -22,7 +23,7 @@ from kv.kv_cache import KVCache, KVCacheSpec
 from kv.tiers.ops import TierOpResults
 from kv.tiers.transfer_progress import TransferError
 from parallel.cpu_capability import cpu_bf16_support
-from parallel.onednn_linear import PackedWeight, pack_linear_weights
+from parallel.onednn_linear import PackedWeight, pack_linear_weights, warm_up_linears
 from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
 from workers.cpu_malloc import keep_freed_memory
 from workers.device_memory import DeviceMemory, device_memory
@@ -172,6 +173,7 @@ def build_rank(config: RankConfig, check_peers: Optional[Callable[[], None]] = N
     kv_cache = KVCache(spec, device, with_scratch_block=attention.reads_block_tables)
     if device.type == "cpu":
         weights_on_huge_pages(model)
+        warm_up_cpu_linears(model, config.max_num_seqs, dtype)
     runner = ModelRunner(model, kv_cache, device, config.max_model_len, config.cuda_graphs,
                          config.max_num_seqs)
     if runner.graphs is not None:  # before the tiers' copy thread starts
@@ -188,6 +190,24 @@ def build_rank(config: RankConfig, check_peers: Optional[Callable[[], None]] = N
     logger.info("rank %d/%d ready on %s (pid %d, %d linears through oneDNN)", tp.rank,
                 tp.world_size, device, os.getpid(), num_packed)
     return Rank(tp, model_config, runner, tiers)
+
+
+# Under this much of packed weights (tiny test checkpoints) a rank builds its linears' kernels as
+# steps meet their row counts.
+WARM_UP_MIN_BYTES = 64 << 20
+
+
+def warm_up_cpu_linears(model: torch.nn.Module, max_num_seqs: int, dtype: torch.dtype) -> None:
+    """oneDNN's kernels for every decode batch size (up to ``max_num_seqs`` rows, bucketed) of
+    each packed linear shape, built before the first step instead of during the first steps."""
+    packed = [m.packed.packed for m in model.modules()
+              if isinstance(getattr(m, "packed", None), PackedWeight)]
+    if sum(t.numel() * t.element_size() for t in packed) < WARM_UP_MIN_BYTES:
+        return
+    start = time.perf_counter()
+    calls = warm_up_linears(model, max_num_seqs, dtype)
+    logger.info("oneDNN linears: kernels for %d shapes and row counts built in %.2f s", calls,
+                time.perf_counter() - start)
 
 
 def weights_on_huge_pages(model: torch.nn.Module) -> None:

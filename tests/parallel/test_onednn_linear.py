@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from parallel.embedding import ParallelLMHead
 from parallel.linear import ColumnParallelLinear, RowParallelLinear
-from parallel.onednn_linear import PackedWeight, can_pack, pack_linear_weights
+from parallel.onednn_linear import (PackedWeight, can_pack, pack_linear_weights, padded_rows,
+                                    warm_up_linears)
 from parallel.tp_group import TPGroupConfig, init_tp_group
 
 needs_onednn = pytest.mark.skipif(not can_pack(torch.empty(1, 1)),
@@ -14,13 +15,42 @@ needs_onednn = pytest.mark.skipif(not can_pack(torch.empty(1, 1)),
 
 
 @needs_onednn
-@pytest.mark.parametrize("num_rows", [1, 7, 32, 300])
+@pytest.mark.parametrize("num_rows", [1, 7, 32, 33, 300])  # 33 and 300 run padded
 def test_packed_weight_matches_f_linear(num_rows):
     torch.manual_seed(0)
     x, w, b = torch.randn(num_rows, 96), torch.randn(40, 96), torch.randn(40)
     out = PackedWeight(w).linear(x, b)
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
     assert PackedWeight(w).linear(x[:0]).shape == (0, 40)
+    batched = PackedWeight(w).linear(x.view(1, num_rows, 96))
+    assert batched.shape == (1, num_rows, 40) and batched.is_contiguous()
+
+
+def test_row_buckets_are_few_and_pad_less_than_an_eighth():
+    assert [padded_rows(n) for n in (1, 31, 32, 33, 36, 37, 64, 65, 300, 2048)] == \
+        [1, 31, 32, 36, 36, 40, 64, 72, 320, 2048]
+    assert all(n <= padded_rows(n) < n * 9 / 8 for n in range(1, 9000))
+    assert all(padded_rows(padded_rows(n)) == padded_rows(n) for n in range(1, 9000))
+    assert len({padded_rows(n) for n in range(1, 2049)}) == 80  # 32 exact, 8 per doubling
+
+
+@needs_onednn
+def test_warm_up_runs_each_shape_once_at_every_bucket(monkeypatch):
+    """One weight per shape (oneDNN's kernels do not depend on the weight's values)."""
+    seen = []
+    linear = PackedWeight.linear
+
+    def recording(self, x, bias=None):
+        seen.append((self.out_features, x.shape[0]))
+        return linear(self, x, bias)
+
+    monkeypatch.setattr(PackedWeight, "linear", recording)
+    model = torch.nn.ModuleList([torch.nn.Module() for _ in range(3)])
+    for module, shape in zip(model, [(40, 96), (40, 96), (24, 96)]):
+        module.packed = PackedWeight(torch.randn(shape))
+    assert warm_up_linears(model, 40, torch.float32) == 2 * 34
+    buckets = list(range(1, 33)) + [36, 40]
+    assert sorted(seen) == sorted((out, n) for out in (24, 40) for n in buckets)
 
 
 @needs_onednn
@@ -45,3 +75,18 @@ def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("TPSERVE_ONEDNN_LINEAR", "0")
     assert not can_pack(torch.empty(4, 4))
     assert not can_pack(torch.empty(4, 4, dtype=torch.float16))
+
+
+@needs_onednn
+def test_a_rank_warms_up_only_models_past_the_threshold(monkeypatch):
+    import workers.rank as rank
+
+    calls = []
+    monkeypatch.setattr(rank, "warm_up_linears", lambda *args: calls.append(args) or 0)
+    module = torch.nn.Module()
+    module.packed = PackedWeight(torch.randn(40, 96))  # 15 KiB
+    rank.warm_up_cpu_linears(module, 8, torch.float32)
+    assert calls == []
+    monkeypatch.setattr(rank, "WARM_UP_MIN_BYTES", 1024)
+    rank.warm_up_cpu_linears(module, 8, torch.float32)
+    assert calls == [(module, 8, torch.float32)]
