@@ -23,6 +23,7 @@ import torch
 
 from kv.host_staging import tensor_on
 from workers.logits_processing import History, process_logits
+from workers.models.cpu_layer_kernels import layer_kernels
 from workers.sampling_params import SamplingParams
 from workers.structured.matcher import TokenMask
 
@@ -122,9 +123,15 @@ def read_samples(samples: DeviceSamples) -> List[SampledToken]:
 def first_max(rows: torch.Tensor,
               out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """The index of each row's first maximum, ``argmax``'s answer, as ``max``'s indices (a
-    cheaper kernel than ``argmax``'s on CPU). ``out``: the (values, indices) tensors ``max``
-    writes, in ``rows``' dtype and int64 (a decode graph's static buffers); indices returned."""
+    cheaper kernel than ``argmax``'s on CPU; bf16 rows on CPU go through the C kernel of
+    `workers.models.cpu_layer_kernels`, where it runs). ``out``: the (values, indices) tensors
+    ``max`` writes, in ``rows``' dtype and int64 (a decode graph's static buffers); indices
+    returned."""
     if out is None:
+        if rows.dtype == torch.bfloat16 and rows.device.type == "cpu" and rows.dim() == 2:
+            kernels = layer_kernels()
+            if kernels is not None:
+                return kernels.first_max(rows)
         return rows.max(dim=-1).indices
     return torch.max(rows, dim=-1, out=out).indices
 

@@ -82,3 +82,20 @@ def test_bf16_on_cpu_takes_them_and_the_switch_turns_them_off(monkeypatch):
         assert layer_ops(CPU, BF16).name == "torch"
     finally:
         cpu_layer_kernels.layer_kernels.cache_clear()
+
+
+@pytest.mark.parametrize("num_rows, vocab", [(1, 5), (3, 40), (64, 4099), (2, 49159)])
+def test_first_max_equals_torch_max_indices(ops, num_rows, vocab):
+    """Ties everywhere (a few distinct values), zeros of both signs, NaNs first, in the vector
+    part and in the tail: each row's index as ``max(dim=-1)`` gives it."""
+    kernel = ops[0]._layer
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.randint(-3, 4, (num_rows, vocab), generator=gen).to(BF16)
+    rows[0, -1] = -0.0
+    if num_rows > 1:
+        rows[1, [0, vocab // 2, vocab - 1]] = float("nan")
+        rows[-1, vocab - 1] = float("nan")  # the scalar tail's
+    if num_rows > 2:
+        rows[2, :] = -0.0
+        rows[2, vocab // 3] = 0.0
+    assert torch.equal(kernel.first_max(rows), rows.max(dim=-1).indices)

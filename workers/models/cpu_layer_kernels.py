@@ -1,5 +1,6 @@
 """A decoder layer's elementwise ops on CPU in bf16 as C kernels (``workers/models/csrc/layer_ops.c``)
-called through ctypes: residual add + RMSNorm, SiLU-and-multiply, RoPE with the K/V cache write.
+called through ctypes: residual add + RMSNorm, SiLU-and-multiply, RoPE with the K/V cache write;
+and the greedy pick over bf16 logits (each row's first maximum).
 
 Why: in bf16 each PyTorch op of these expressions widens to fp32 and rounds back, the layer runs
 about 15 of them per step, and on a 2-core host an op big enough for OpenMP waits for the other
@@ -66,6 +67,9 @@ class LayerKernels:
         self._rope = lib.tpserve_rope_write_kv_bf16
         self._rope.argtypes = [_P] * 6 + [_I] * 5 + [ctypes.c_int]
         self._rope.restype = ctypes.c_int
+        self._first_max = lib.tpserve_first_max_bf16
+        self._first_max.argtypes = [_P, _I, _I, _P, ctypes.c_int]
+        self._first_max.restype = None
         self.sum_lanes = SUM_LANES[0]  # RMSNorm's sum order: `check` sets PyTorch's
 
     def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor],
@@ -113,6 +117,16 @@ class LayerKernels:
                              f"{k_cache.shape[0]} slots")
 
 
+    def first_max(self, rows: torch.Tensor) -> torch.Tensor:
+        """The index of each row's first maximum of ``[N, V]`` (a NaN first), int64: what
+        ``rows.max(dim=-1).indices`` gives."""
+        rows = rows.contiguous()
+        index = torch.empty(rows.shape[0], dtype=torch.int64)
+        self._first_max(rows.data_ptr(), rows.shape[0], rows.shape[1], index.data_ptr(),
+                        torch.get_num_threads())
+        return index
+
+
 @functools.lru_cache(maxsize=None)
 def layer_kernels() -> Optional[LayerKernels]:
     """This process's kernels, built or loaded once; None where they cannot run (logged once)."""
@@ -153,6 +167,9 @@ def check(kernels: LayerKernels) -> None:
     kernels.rope_write_kv(got, tables, caches[2], caches[3], slots, 2, 1)
     pairs.append(((got[:, :96], caches[2], caches[3]),
                   (torch.cat([want[0], want[1]], 1).reshape(5, 96), caches[0], caches[1])))
+    scores = torch.randint(-3, 4, (3, 40), generator=gen).bfloat16()  # ties
+    scores[2, 7] = float("nan")
+    pairs.append(((kernels.first_max(scores),), (scores.max(dim=-1).indices,)))
     for got_values, want_values in pairs:
         for a, b in zip(got_values, want_values):
             error = (a.float() - b.float()).abs().max().item()

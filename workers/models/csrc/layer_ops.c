@@ -324,3 +324,53 @@ int tpserve_rope_write_kv_bf16(uint16_t *qkv, const uint16_t *cos, const uint16_
   }
   return status;
 }
+
+/* The index of the first maximum of r[0..V) (bf16), as torch.max(dim=-1) gives it: the first
+ * NaN where there is one. */
+static int64_t first_max_row(const uint16_t *r, int64_t V) {
+  int64_t i = 1, best = 0;
+  float best_value = from_bf16(r[0]);
+#if VECTOR_LANES
+  if (V >= 32) { /* per lane the first of its maxima, then the lowest index among the lanes' */
+    __m512 lane_max = v_load(r);
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    __m512i at = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i lane_index = at;
+    __mmask16 nan = _mm512_cmp_ps_mask(lane_max, lane_max, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= V; i += 16) {
+      const __m512 x = v_load(r + i);
+      at = _mm512_add_epi32(at, sixteen);
+      const __mmask16 greater = _mm512_cmp_ps_mask(x, lane_max, _CMP_GT_OQ);
+      lane_max = _mm512_mask_mov_ps(lane_max, greater, x);
+      lane_index = _mm512_mask_mov_epi32(lane_index, greater, at);
+      nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    }
+    if (!nan) {
+      float values[16];
+      int32_t indices[16];
+      _mm512_storeu_ps(values, lane_max);
+      _mm512_storeu_si512(indices, lane_index);
+      best_value = values[0], best = indices[0];
+      for (int l = 1; l < 16; l++)
+        if (values[l] > best_value || (values[l] == best_value && indices[l] < best))
+          best_value = values[l], best = indices[l];
+    } else {
+      i = 1, best = 0, best_value = from_bf16(r[0]); /* the scalar loop finds the first NaN */
+    }
+  }
+#endif
+  if (best_value != best_value) return best;
+  for (; i < V; i++) {
+    const float x = from_bf16(r[i]);
+    if (x != x) return i;
+    if (x > best_value) best_value = x, best = i;
+  }
+  return best;
+}
+
+/* index[t] = the first maximum of row t of rows [T, V] (bf16). */
+void tpserve_first_max_bf16(const uint16_t *rows, int64_t T, int64_t V, int64_t *index,
+                            int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (T * V >= PARALLEL_MIN) schedule(static)
+  for (int64_t t = 0; t < T; t++) index[t] = first_max_row(rows + t * V, V);
+}
