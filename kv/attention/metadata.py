@@ -192,11 +192,11 @@ def _key_slots(seqs: Sequence[SeqSlice], first: torch.Tensor, max_keys: int,
     key_pos = first[:, None] + torch.arange(max_keys)[None, :]  # [B, K]
     key_pos = torch.minimum(key_pos, context_len[:, None] - 1)
     first_block = first // block_size  # [B]
-    rows = [list(s.block_ids[int(f):-(-s.context_len // block_size)])
-            for s, f in zip(seqs, first_block)]
-    table = torch.zeros(len(seqs), max(len(r) for r in rows), dtype=torch.long)  # [B, blocks]
-    for b, row in enumerate(rows):
-        table[b, :len(row)] = torch.as_tensor(row, dtype=torch.long)
+    rows = [list(s.block_ids[f:-(-s.context_len // block_size)])
+            for s, f in zip(seqs, first_block.tolist())]
+    width = max(len(r) for r in rows)
+    # [B, blocks], rows padded with block 0 (never gathered: the key positions stop short)
+    table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
     block_index = key_pos // block_size - first_block[:, None]  # [B, K]
     return table.gather(1, block_index) * block_size + key_pos % block_size
 
