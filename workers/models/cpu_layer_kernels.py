@@ -116,7 +116,6 @@ class LayerKernels:
             raise IndexError(f"RoPE/KV write kernel: a slot outside the cache's "
                              f"{k_cache.shape[0]} slots")
 
-
     def first_max(self, rows: torch.Tensor) -> torch.Tensor:
         """The index of each row's first maximum of ``[N, V]`` (a NaN first), int64: what
         ``rows.max(dim=-1).indices`` gives."""

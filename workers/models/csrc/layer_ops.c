@@ -8,10 +8,10 @@
  * step's matmuls or another process may hold); calls of at least PARALLEL_MIN elements split
  * their rows over num_threads threads.
  *
- * Where the compiler targets AVX-512 (F and BW), each kernel runs 16 values at a time through
- * intrinsics that do the scalar code's operations in its order (the same roundings, FMAs and
- * sum order), so both paths give the same bits; rows whose length is not a multiple of 16 finish
- * on the scalar code.
+ * The compiler vectorizes RMSNorm and SiLU itself; RoPE, which it leaves scalar, has an AVX-512
+ * path (F and BW) for heads whose halves are whole 16-value vectors, doing the scalar code's
+ * operations in its order (the same roundings), so both paths give the same bits. The greedy
+ * pick (first_max) keeps a running maximum per vector lane.
  *
  * Called through ctypes by workers/models/cpu_layer_kernels.py, which compiles it at first use
  * (-O3 -march=native -fopenmp -ffp-contract=off: IEEE fp32 ops, vectorized) and checks it against
@@ -139,68 +139,6 @@ static inline void v_store(uint16_t *p, __m512 f) {
   _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(v_round_bits(f), 16)));
 }
 
-static inline __m512 v_pow2i(__m512i q) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(0x7f)), 23));
-}
-
-static inline __m512 v_sleef_expf(__m512 d) { /* sleef_expf, 16 at a time */
-  const __m512 q = _mm512_roundscale_ps(
-      _mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137f)),
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 s = _mm512_fmadd_ps(q, _mm512_set1_ps(-0.693145751953125f), d);
-  s = _mm512_fmadd_ps(q, _mm512_set1_ps(-1.428606765330187045e-06f), s);
-  __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
-  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
-  u = _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
-  const __m512i e = _mm512_cvttps_epi32(q), half_e = _mm512_srai_epi32(e, 1);
-  u = _mm512_mul_ps(_mm512_mul_ps(u, v_pow2i(half_e)), v_pow2i(_mm512_sub_epi32(e, half_e)));
-  u = _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.f), _CMP_LT_OQ),
-                         _mm512_setzero_ps());
-  return _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(d, _mm512_set1_ps(104.f), _CMP_GT_OQ),
-                            _mm512_set1_ps(INFINITY));
-}
-
-/* torch_order_sum with SUM_LANES = 16, an accumulator per register. */
-static float v_torch_order_sum16(const float *x, int64_t n) {
-  enum { ILP = 4, LEVELS = 4 };
-  const int64_t vectors = n / 16, rows = vectors / ILP;
-  int64_t log2 = 0;
-  while (((int64_t)1 << log2) < rows) log2++;
-  const int64_t power = log2 / LEVELS > 4 ? log2 / LEVELS : 4, step = (int64_t)1 << power;
-  __m512 acc[LEVELS][ILP];
-  for (int level = 0; level < LEVELS; level++)
-    for (int k = 0; k < ILP; k++) acc[level][k] = _mm512_setzero_ps();
-  int64_t i = 0;
-  while (i + step <= rows) {
-    for (int64_t j = 0; j < step; j++, i++)
-      for (int k = 0; k < ILP; k++)
-        acc[0][k] = _mm512_add_ps(acc[0][k], _mm512_loadu_ps(x + (i * ILP + k) * 16));
-    for (int level = 1; level < LEVELS; level++) {
-      for (int k = 0; k < ILP; k++) {
-        acc[level][k] = _mm512_add_ps(acc[level][k], acc[level - 1][k]);
-        acc[level - 1][k] = _mm512_setzero_ps();
-      }
-      if ((i & ((step - 1) << (level * power))) != 0) break;
-    }
-  }
-  for (; i < rows; i++)
-    for (int k = 0; k < ILP; k++)
-      acc[0][k] = _mm512_add_ps(acc[0][k], _mm512_loadu_ps(x + (i * ILP + k) * 16));
-  for (int level = 1; level < LEVELS; level++)
-    for (int k = 0; k < ILP; k++) acc[0][k] = _mm512_add_ps(acc[0][k], acc[level][k]);
-  for (int64_t v = rows * ILP; v < vectors; v++)
-    acc[0][0] = _mm512_add_ps(acc[0][0], _mm512_loadu_ps(x + v * 16));
-  for (int k = 1; k < ILP; k++) acc[0][0] = _mm512_add_ps(acc[0][0], acc[0][k]);
-  float lanes[16], total = 0.f;
-  _mm512_storeu_ps(lanes, acc[0][0]);
-  for (int64_t t = vectors * 16; t < n; t++) total += x[t];
-  for (int l = 0; l < 16; l++) total += lanes[l];
-  return total;
-}
 #else
 #define VECTOR_LANES 0
 #endif
@@ -210,37 +148,22 @@ static float v_torch_order_sum16(const float *x, int64_t n) {
 void tpserve_add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual,
                                const uint16_t *weight, float eps, int64_t T, int64_t H,
                                uint16_t *sum, uint16_t *norm, int sum_lanes, int num_threads) {
-  const int64_t vector_end = VECTOR_LANES ? H / 16 * 16 : 0; /* the scalar loops do the rest */
 #pragma omp parallel for num_threads(num_threads) if (T * H >= PARALLEL_MIN) schedule(static)
   for (int64_t t = 0; t < T; t++) {
-    const uint16_t *xr = x + t * H, *rr = residual ? residual + t * H : NULL;
-    uint16_t *sr = residual ? sum + t * H : (uint16_t *)xr, *nr = norm + t * H;
+    const uint16_t *xr = x + t * H;
+    uint16_t *sr = residual ? sum + t * H : (uint16_t *)xr;
     float squares[MAX_HIDDEN];
-#if VECTOR_LANES
-    for (int64_t i = 0; i < vector_end; i += 16) {
-      const __m512 s = rr ? v_round_bf16(_mm512_add_ps(v_load(xr + i), v_load(rr + i)))
-                          : v_load(xr + i);
-      if (rr) v_store(sr + i, s);
-      _mm512_storeu_ps(squares + i, _mm512_mul_ps(s, s));
+    if (residual) {
+      const uint16_t *rr = residual + t * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; i++) sr[i] = to_bf16(from_bf16(xr[i]) + from_bf16(rr[i]));
     }
-#endif
-    if (rr)
-      for (int64_t i = vector_end; i < H; i++)
-        sr[i] = to_bf16(from_bf16(xr[i]) + from_bf16(rr[i]));
-    for (int64_t i = vector_end; i < H; i++) squares[i] = from_bf16(sr[i]) * from_bf16(sr[i]);
-#if VECTOR_LANES
-    const float total = sum_lanes == 16 ? v_torch_order_sum16(squares, H)
-                                        : torch_order_sum(squares, H, sum_lanes);
-#else
-    const float total = torch_order_sum(squares, H, sum_lanes);
-#endif
-    const float inv = 1.f / sqrtf(total / (float)H + eps);
-#if VECTOR_LANES
-    for (int64_t i = 0; i < vector_end; i += 16)
-      v_store(nr + i, _mm512_mul_ps(v_load(weight + i), v_round_bf16(_mm512_mul_ps(
-                                                            v_load(sr + i), _mm512_set1_ps(inv)))));
-#endif
-    for (int64_t i = vector_end; i < H; i++)
+#pragma omp simd
+    for (int64_t i = 0; i < H; i++) squares[i] = from_bf16(sr[i]) * from_bf16(sr[i]);
+    const float inv = 1.f / sqrtf(torch_order_sum(squares, H, sum_lanes) / (float)H + eps);
+    uint16_t *nr = norm + t * H;
+#pragma omp simd
+    for (int64_t i = 0; i < H; i++)
       nr[i] = to_bf16(from_bf16(weight[i]) * round_bf16(from_bf16(sr[i]) * inv));
   }
 }
@@ -248,23 +171,12 @@ void tpserve_add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual,
 /* out [T, I] = bf16(silu(gate)) * up, gate_up [T, 2 I] holding gate then up. */
 void tpserve_silu_mul_bf16(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *out,
                            int num_threads) {
-  const int64_t vector_end = VECTOR_LANES ? I / 16 * 16 : 0;
 #pragma omp parallel for num_threads(num_threads) if (T * I >= PARALLEL_MIN) schedule(static)
   for (int64_t t = 0; t < T; t++) {
     const uint16_t *gate = gate_up + t * 2 * I, *up = gate + I;
     uint16_t *o = out + t * I;
-#if VECTOR_LANES
-    for (int64_t i = 0; i < vector_end; i += 16) {
-      const __m512 g = v_load(gate + i);
-      const __m512 minus_g = _mm512_castsi512_ps(
-          _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u)));
-      const __m512 silu =
-          v_round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), v_sleef_expf(minus_g))));
-      v_store(o + i, _mm512_mul_ps(silu, v_load(up + i)));
-    }
-#endif
 #pragma omp simd
-    for (int64_t i = vector_end; i < I; i++) {
+    for (int64_t i = 0; i < I; i++) {
       const float g = from_bf16(gate[i]);
       const float silu = round_bf16(g / (1.f + sleef_expf(-g)));
       o[i] = to_bf16(silu * from_bf16(up[i]));
