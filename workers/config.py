@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -12,11 +11,6 @@ from workers.option_field import option
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# A step's token budget where max_num_batched_tokens is None. A server keeps steps short (a
-# decode waits for the prefill chunks of its step); offline generation on CPU takes longer steps
-# for throughput (vLLM's CPU defaults: 2048 for its server, 4096 for its offline LLM).
-SERVED_STEP_TOKENS = 2048
-OFFLINE_CPU_STEP_TOKENS = 4096
 KV_EVICTIONS = ("lru", "hotness")
 TIERS = "KV tiers (per rank)"  # the help section of the tier options
 
@@ -39,10 +33,7 @@ class EngineConfig:
               "after the weights and the largest step (instead of --kv-cache-gb; --kv-blocks "
               "caps it)")
     enable_prefix_cache: bool = option(True, "disable prefix caching", flag="--no-prefix-cache")
-    # None: SERVED_STEP_TOKENS, or OFFLINE_CPU_STEP_TOKENS for offline generation on CPU
-    max_num_batched_tokens: Optional[int] = option(
-        None, "token budget of one step (chunked prefill); default 2048, 4096 for offline "
-              "generation on CPU (tpserve generate, the LLM class)")
+    max_num_batched_tokens: int = option(2048, "token budget of one step (chunked prefill)")
     max_num_seqs: int = option(128, "requests per step")
     # None: the model's max_position_embeddings
     max_model_len: Optional[int] = option(None, "context length cap")
@@ -131,8 +122,7 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        if (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1
-                or self.max_num_seqs < 1):
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("--max-num-batched-tokens and --max-num-seqs must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
@@ -197,19 +187,3 @@ def parse_disk_kv_dirs(value: str) -> Tuple[str, ...]:
                              f"{seen[resolved]!r} ({resolved}); list each directory once")
         seen[resolved] = entry
     return entries
-
-
-def with_step_budget(config: EngineConfig, offline: bool) -> EngineConfig:
-    """``config`` with its step token budget decided: as given, else `SERVED_STEP_TOKENS`, or
-    `OFFLINE_CPU_STEP_TOKENS` for ``offline`` generation on a CPU device."""
-    if config.max_num_batched_tokens is not None:
-        return config
-    on_cpu = config.device == "cpu" or (config.device == "auto" and not _cuda_available())
-    tokens = OFFLINE_CPU_STEP_TOKENS if offline and on_cpu else SERVED_STEP_TOKENS
-    return dataclasses.replace(config, max_num_batched_tokens=tokens)
-
-
-def _cuda_available() -> bool:
-    import torch  # here: the CLI reads the options without importing torch
-
-    return torch.cuda.is_available()

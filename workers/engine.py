@@ -20,7 +20,7 @@ from kv.kv_manager import KVUsage
 from kv.tiers.ops import TierOp, TierOpResults
 from parallel.collective_errors import sum_counts
 from parallel.rendezvous import RendezvousSocket
-from workers.config import EngineConfig, with_step_budget
+from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_outputs import RequestOutput, StepRecord, request_output, step_record
 from workers.engine_sizing import check_model, context_length, fit_context_to_pool
@@ -51,7 +51,6 @@ class LLMEngine:
                  init_host: str = "127.0.0.1") -> None:
         """``launcher`` starts ranks 1..N-1 from their configs (local processes by default; the
         serving layer passes Ray actors); ``init_host`` is the address rank 0 listens on."""
-        config = with_step_budget(config, offline=False)  # as given, or a server's
         self.config = config
         self.model_dir, self.model_config = check_model(config)  # before any rank starts
         self.tokenizer = load_tokenizer(self.model_dir)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List, Sequence, Union
 
-from workers.config import EngineConfig, with_step_budget
+from workers.config import EngineConfig
 from workers.engine import LLMEngine, RequestOutput
 from workers.sampling_params import SamplingParams
 
@@ -16,7 +16,7 @@ class LLM:
     (a prompt whose params ask for ``n`` choices gives ``n`` outputs in a row, by ``index``)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(with_step_budget(config, offline=True))
+        self.engine = LLMEngine(config)
 
     def generate(self, prompts: Sequence[Prompt],
                  params: Union[SamplingParams, Sequence[SamplingParams], None] = None

@@ -8,15 +8,14 @@ import time
 from collections import deque
 from typing import Dict, List, Sequence
 
-from workers.config import EngineConfig, with_step_budget
+from workers.config import EngineConfig
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
 
 
 def build_offline(model_dir: str, dtype: str = "auto") -> LLM:
-    """The engine as ``tpserve serve`` builds a group's (its defaults: a server's step budget,
-    not the offline one), warmed up."""
-    llm = LLM(with_step_budget(EngineConfig(model=model_dir, dtype=dtype), offline=False))
+    """The engine as ``tpserve serve`` builds a group's (its defaults), warmed up."""
+    llm = LLM(EngineConfig(model=model_dir, dtype=dtype))
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     return llm
 

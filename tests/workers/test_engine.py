@@ -2,7 +2,7 @@
 
 import pytest
 
-from workers.config import EngineConfig, with_step_budget
+from workers.config import EngineConfig
 from workers.engine import LLMEngine
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
@@ -210,14 +210,3 @@ def test_text_held_for_a_stop_string_that_never_came_is_released_at_the_end(engi
     stream = run(engine, "hello world", max_tokens=12, ignore_eos=True, stop=(stop,), **GREEDY)
     assert stream[-1].finish_reason == "length" and stream[-1].text == full.text
     assert "".join(o.delta_text for o in stream) == full.text
-
-
-def test_a_step_budget_left_unset_is_a_servers_or_on_cpu_offline_a_longer_one(engine, tiny_llama):
-    """vLLM's CPU defaults: 2048 tokens a step for a server, 4096 for offline generation."""
-    assert engine.config.max_num_batched_tokens == 2048  # an engine as a server builds it
-    assert engine.scheduler.config.max_num_batched_tokens == 2048
-    with LLM(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=16)) as llm:
-        assert llm.engine.scheduler.config.max_num_batched_tokens == 4096  # offline, on CPU
-    config = EngineConfig(model=str(tiny_llama), max_num_batched_tokens=100)
-    assert with_step_budget(config, offline=True) is config
-    assert with_step_budget(EngineConfig(device="cuda"), offline=True).max_num_batched_tokens == 2048
