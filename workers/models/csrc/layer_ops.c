@@ -8,10 +8,10 @@
  * step's matmuls or another process may hold); calls of at least PARALLEL_MIN elements split
  * their rows over num_threads threads.
  *
- * The compiler vectorizes RMSNorm and SiLU itself; RoPE, which it leaves scalar, has an AVX-512
- * path (F and BW) for heads whose halves are whole 16-value vectors, doing the scalar code's
- * operations in its order (the same roundings), so both paths give the same bits. The greedy
- * pick (first_max) keeps a running maximum per vector lane.
+ * The compiler vectorizes RMSNorm itself. SiLU-and-multiply, and RoPE for heads whose halves are
+ * whole 16-value vectors, have AVX-512 paths (F and BW) doing the scalar code's operations in its
+ * order (the same roundings and FMAs), so both paths give the same bits. The greedy pick
+ * (first_max) keeps a running maximum per vector lane.
  *
  * Called through ctypes by workers/models/cpu_layer_kernels.py, which compiles it at first use
  * (-O3 -march=native -fopenmp -ffp-contract=off: IEEE fp32 ops, vectorized) and checks it against
@@ -139,6 +139,31 @@ static inline void v_store(uint16_t *p, __m512 f) {
   _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(v_round_bits(f), 16)));
 }
 
+static inline __m512 v_pow2i(__m512i q) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(0x7f)), 23));
+}
+
+static inline __m512 v_sleef_expf(__m512 d) { /* sleef_expf, 16 at a time */
+  const __m512 q = _mm512_roundscale_ps(
+      _mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137f)),
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 s = _mm512_fmadd_ps(q, _mm512_set1_ps(-0.693145751953125f), d);
+  s = _mm512_fmadd_ps(q, _mm512_set1_ps(-1.428606765330187045e-06f), s);
+  __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+  u = _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+  const __m512i e = _mm512_cvttps_epi32(q), half_e = _mm512_srai_epi32(e, 1);
+  u = _mm512_mul_ps(_mm512_mul_ps(u, v_pow2i(half_e)), v_pow2i(_mm512_sub_epi32(e, half_e)));
+  u = _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.f), _CMP_LT_OQ),
+                         _mm512_setzero_ps());
+  return _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(d, _mm512_set1_ps(104.f), _CMP_GT_OQ),
+                            _mm512_set1_ps(INFINITY));
+}
+
 #else
 #define VECTOR_LANES 0
 #endif
@@ -171,12 +196,23 @@ void tpserve_add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual,
 /* out [T, I] = bf16(silu(gate)) * up, gate_up [T, 2 I] holding gate then up. */
 void tpserve_silu_mul_bf16(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *out,
                            int num_threads) {
+  const int64_t vector_end = VECTOR_LANES ? I / 16 * 16 : 0;
 #pragma omp parallel for num_threads(num_threads) if (T * I >= PARALLEL_MIN) schedule(static)
   for (int64_t t = 0; t < T; t++) {
     const uint16_t *gate = gate_up + t * 2 * I, *up = gate + I;
     uint16_t *o = out + t * I;
+#if VECTOR_LANES
+    for (int64_t i = 0; i < vector_end; i += 16) {
+      const __m512 g = v_load(gate + i);
+      const __m512 minus_g = _mm512_castsi512_ps(
+          _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u)));
+      const __m512 silu =
+          v_round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), v_sleef_expf(minus_g))));
+      v_store(o + i, _mm512_mul_ps(silu, v_load(up + i)));
+    }
+#endif
 #pragma omp simd
-    for (int64_t i = 0; i < I; i++) {
+    for (int64_t i = vector_end; i < I; i++) {
       const float g = from_bf16(gate[i]);
       const float silu = round_bf16(g / (1.f + sleef_expf(-g)));
       o[i] = to_bf16(silu * from_bf16(up[i]));
