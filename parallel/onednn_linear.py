@@ -23,7 +23,7 @@ offers ``pack_weights``; set ``TPSERVE_ONEDNN_LINEAR=0`` to keep torch's default
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -94,14 +94,19 @@ def pack_linear_weights(model: nn.Module) -> int:
                if hasattr(module, "pack_weights"))
 
 
+def packed_weights(model: nn.Module) -> List[PackedWeight]:
+    """The packed copy of every module of ``model`` that holds one (its ``packed``, which
+    ``pack_weights`` sets)."""
+    return [module.packed for module in model.modules()
+            if isinstance(getattr(module, "packed", None), PackedWeight)]
+
+
 def warm_up_linears(model: nn.Module, max_rows: int, dtype: torch.dtype) -> int:
     """`PackedWeight.warm_up` for one packed weight of each shape in ``model`` (oneDNN keeps a
     kernel per shape and row count, whichever weight it ran for); returns the calls made."""
     by_shape: Dict[Tuple[int, int], PackedWeight] = {}
-    for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, PackedWeight):
-                by_shape.setdefault((value.out_features, value.in_features), value)
+    for packed in packed_weights(model):
+        by_shape.setdefault((packed.out_features, packed.in_features), packed)
     return sum(packed.warm_up(max_rows, dtype) for packed in by_shape.values())
 
 

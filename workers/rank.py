@@ -23,7 +23,8 @@ from kv.kv_cache import KVCache, KVCacheSpec
 from kv.tiers.ops import TierOpResults
 from kv.tiers.transfer_progress import TransferError
 from parallel.cpu_capability import cpu_bf16_support
-from parallel.onednn_linear import PackedWeight, pack_linear_weights, warm_up_linears
+from parallel.onednn_linear import (PackedWeight, pack_linear_weights, packed_weights,
+                                    warm_up_linears)
 from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
 from workers.cpu_malloc import keep_freed_memory
 from workers.device_memory import DeviceMemory, device_memory
@@ -200,8 +201,7 @@ WARM_UP_MIN_BYTES = 64 << 20
 def warm_up_cpu_linears(model: torch.nn.Module, max_num_seqs: int, dtype: torch.dtype) -> None:
     """oneDNN's kernels for every decode batch size (up to ``max_num_seqs`` rows, bucketed) of
     each packed linear shape, built before the first step instead of during the first steps."""
-    packed = [m.packed.packed for m in model.modules()
-              if isinstance(getattr(m, "packed", None), PackedWeight)]
+    packed = [weight.packed for weight in packed_weights(model)]
     if sum(t.numel() * t.element_size() for t in packed) < WARM_UP_MIN_BYTES:
         return
     start = time.perf_counter()

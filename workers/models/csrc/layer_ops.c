@@ -139,6 +139,11 @@ static inline void v_store(uint16_t *p, __m512 f) {
   _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(v_round_bits(f), 16)));
 }
 
+static inline __m512 v_negate(__m512 f) { /* -f: the sign bit flipped, exactly */
+  return _mm512_castsi512_ps(
+      _mm512_xor_si512(_mm512_castps_si512(f), _mm512_set1_epi32((int)0x80000000u)));
+}
+
 static inline __m512 v_pow2i(__m512i q) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(0x7f)), 23));
 }
@@ -204,8 +209,7 @@ void tpserve_silu_mul_bf16(const uint16_t *gate_up, int64_t T, int64_t I, uint16
 #if VECTOR_LANES
     for (int64_t i = 0; i < vector_end; i += 16) {
       const __m512 g = v_load(gate + i);
-      const __m512 minus_g = _mm512_castsi512_ps(
-          _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u)));
+      const __m512 minus_g = v_negate(g);
       const __m512 silu =
           v_round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), v_sleef_expf(minus_g))));
       v_store(o + i, _mm512_mul_ps(silu, v_load(up + i)));
@@ -240,8 +244,7 @@ int tpserve_rope_write_kv_bf16(uint16_t *qkv, const uint16_t *cos, const uint16_
       if (half % 16 == 0) { /* each 16 of the first half with their 16 of the second */
         for (int64_t j = 0; j < half; j += 16) {
           const __m512 a = v_load(x + j), b = v_load(x + j + half);
-          const __m512 minus_b = _mm512_castsi512_ps(
-              _mm512_xor_si512(_mm512_castps_si512(b), _mm512_set1_epi32((int)0x80000000u)));
+          const __m512 minus_b = v_negate(b);
           v_store(x + j, _mm512_add_ps(v_round_bf16(_mm512_mul_ps(a, v_load(c + j))),
                                        v_round_bf16(_mm512_mul_ps(minus_b, v_load(s + j)))));
           v_store(x + j + half,
