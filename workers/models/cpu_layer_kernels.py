@@ -32,9 +32,12 @@ from kv.native_build import KernelBuildError, build_shared
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "layer_ops.c"
+# Its AVX-512 helpers, shared with the prefill attention kernel.
+HEADER = Path(__file__).parents[2] / "kv" / "attention" / "csrc" / "bf16_avx512.h"
 # No -ffast-math: every op must round as IEEE fp32 does, as PyTorch's do (no contraction into
 # FMAs either). x86-64: 512-bit vectors where the CPU has them (GCC prefers 256 otherwise).
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC") + (
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC",
+                 f"-I{HEADER.parent}") + (
     ("-mprefer-vector-width=512",) if platform.machine() == "x86_64" else ())
 LINK_FLAGS = ("-shared", "-fopenmp")
 LINK_LIBRARIES = ((),)
@@ -133,7 +136,8 @@ def layer_kernels() -> Optional[LayerKernels]:
         logger.info("CPU bf16 layer ops: %s=0, the PyTorch expressions run", SWITCH_ENV)
         return None
     try:
-        kernels = LayerKernels(build_shared(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBRARIES))
+        kernels = LayerKernels(build_shared(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBRARIES,
+                                                  headers=(HEADER,)))
         check(kernels)
     except (KernelBuildError, OSError) as exc:
         logger.warning("CPU bf16 layer ops: the C kernels are not used, the PyTorch expressions "
