@@ -1,0 +1,164 @@
+"""Prefill attention on CPU in bf16 on AMX tiles: a C kernel (``kv/attention/csrc/prefill_amx.c``)
+called through ctypes.
+
+Why: torch's CPU flash kernel, which SDPA calls, multiplies a prompt's queries and keys in small
+blocks through its generic GEMM; AMX's tiles do those products many times faster, so on CPUs with
+AMX the kernel takes a prompt's attention in about half of flash's time
+(docs/benchmarks/cpu-bf16.md). It also reads each key and value row where it lies in the paged
+cache, where the PyTorch path gathers them first.
+
+What it computes: a sequence's chunk of new queries over the keys its queries see, causal, after
+any cached prefix every query sees (`PrefillSlice.num_prefix_keys`); scores and softmax in fp32,
+the probabilities rounded to bf16 for their product with the values (as flash's does), fp32 sums,
+each output rounded to bf16 once. Within bf16 rounding of SDPA, not bitwise equal to it.
+
+When it runs: the ``torch`` attention backend's prefills in bf16 on CPUs with AMX (``amx_bf16``
+and ``amx_tile``), head dims 64 and 128, caches ``[slots, Hkv, D]`` contiguous, where no sliding
+window cuts the keys. Anything else takes SDPA. The library is compiled at first use (``$CC``,
+``-march=native``), cached under tpserve's cache root (`kv.native_build`), and checked against
+SDPA on small inputs before use; where that fails, or ``TPSERVE_CPU_KERNELS=0``, a log line says
+so and SDPA runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kv.attention.metadata import PrefillSlice
+from kv.native_build import KernelBuildError, build_shared
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "prefill_amx.c"
+HEADER = SOURCE.with_name("bf16_avx512.h")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC",
+                 f"-I{SOURCE.parent}")
+LINK_FLAGS = ("-shared", "-fopenmp")
+SWITCH_ENV = "TPSERVE_CPU_KERNELS"
+HEAD_DIMS = (64, 128)  # what the kernel takes (its query block stays in four tiles)
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class PrefillKernel:
+    """The loaded library, with the process's AMX state granted."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        status = lib.tpserve_amx_request()
+        if status != 0:
+            raise KernelBuildError(f"Linux refused this process the AMX tile state "
+                                   f"(arch_prctl ARCH_REQ_XCOMP_PERM returned {status})")
+        self._attend = lib.tpserve_prefill_attention_bf16
+        self._attend.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P, _I,
+                                 ctypes.c_int]
+        self._attend.restype = ctypes.c_int
+
+    @staticmethod
+    def accepts(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """Whether the kernel takes this step's prefills: bf16 on CPU, a head dim it has tiles
+        for, rows of contiguous heads and contiguous caches."""
+        head_dim = query.shape[-1]
+        return (query.device.type == "cpu" and query.dtype == torch.bfloat16
+                and k_cache.dtype == v_cache.dtype == torch.bfloat16 and head_dim in HEAD_DIMS
+                and query.stride(2) == 1 and query.stride(1) == head_dim
+                and k_cache.is_contiguous() and v_cache.is_contiguous())
+
+    @staticmethod
+    def takes(prefill: PrefillSlice) -> bool:
+        """Whether the kernel computes this prefill's mask: plain causal, or causal after a
+        prefix every query sees (no sliding window cutting the keys)."""
+        return prefill.mask is None or prefill.num_prefix_keys > 0
+
+    def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               prefill: PrefillSlice, scale: float, out: torch.Tensor) -> None:
+        """Writes the attention of ``query[prefill.start:prefill.end]`` (``[T, H, D]``) into the
+        same rows of ``out`` (``[T, H * D]``, contiguous)."""
+        num_heads, head_dim = query.shape[1:]
+        slots = prefill.kv_slots
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            slots = slots.to(torch.int64).contiguous()
+        rows = prefill.end - prefill.start
+        if slots.shape[0] != prefill.num_prefix_keys + rows:
+            raise ValueError(f"a prefill of {rows} queries after {prefill.num_prefix_keys} prefix "
+                             f"keys needs {prefill.num_prefix_keys + rows} key slots, got "
+                             f"{slots.shape[0]}")
+        status = self._attend(
+            query[prefill.start].data_ptr(), query.stride(0), k_cache.data_ptr(),
+            v_cache.data_ptr(), slots.data_ptr(), rows, prefill.num_prefix_keys, num_heads,
+            k_cache.shape[1], head_dim, scale, out[prefill.start].data_ptr(), out.stride(0),
+            torch.get_num_threads())
+        if status == -2:
+            raise MemoryError(f"the prefill attention kernel could not allocate its scratch for "
+                              f"{slots.shape[0]} keys")
+        if status != 0:
+            raise ValueError(f"the prefill attention kernel refused head dim {head_dim}: it takes "
+                             f"{HEAD_DIMS}")
+
+
+@functools.lru_cache(maxsize=None)
+def prefill_kernel() -> Optional[PrefillKernel]:
+    """This process's kernel, built or loaded once; None where it cannot run (logged once)."""
+    from parallel.cpu_capability import cpu_bf16_support
+
+    if os.environ.get(SWITCH_ENV, "1").lower() in ("0", "false", "off", "no"):
+        logger.info("CPU prefill attention: %s=0, SDPA runs", SWITCH_ENV)
+        return None
+    if cpu_bf16_support().path != "amx":
+        logger.info("CPU prefill attention: no AMX on this CPU, bf16 prefills run on SDPA")
+        return None
+    try:
+        kernel = PrefillKernel(build_shared(SOURCE, COMPILE_FLAGS, LINK_FLAGS, headers=(HEADER,)))
+        check(kernel)
+    except (KernelBuildError, OSError) as exc:
+        logger.warning("CPU prefill attention: the AMX kernel is not used, SDPA runs (slower): "
+                       "%s", exc)
+        return None
+    logger.info("CPU prefill attention: AMX kernel %s", kernel.path)
+    return kernel
+
+
+def reference_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      prefill: PrefillSlice, scale: float) -> torch.Tensor:
+    """The kernel's result through fp32 SDPA: ``[rows, H * D]`` in fp32."""
+    q = query[prefill.start:prefill.end].float().transpose(0, 1)  # [H, q, D]
+    k = k_cache[prefill.kv_slots].float().transpose(0, 1)  # [Hkv, K, D]
+    v = v_cache[prefill.kv_slots].float().transpose(0, 1)
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    rows, keys = q.shape[1], k.shape[1]
+    mask = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).reshape(rows, -1)
+
+
+def check(kernel: PrefillKernel) -> None:
+    """Raises `KernelBuildError` unless the kernel is within bf16 rounding of fp32 SDPA on
+    grouped heads of both head dims, with and without a cached prefix, over rows and keys that
+    do not fill the kernel's tiles."""
+    gen = torch.Generator().manual_seed(0)
+    for head_dim, rows, prefix in ((64, 37, 0), (128, 21, 45)):
+        num_slots, num_kv_heads, num_heads = 160, 2, 6
+        k_cache, v_cache = (torch.randn(num_slots, num_kv_heads, head_dim, generator=gen)
+                            .bfloat16() for _ in range(2))
+        query = torch.randn(rows + 3, num_heads, head_dim, generator=gen).bfloat16()
+        slots = torch.randperm(num_slots, generator=gen)[:prefix + rows]
+        prefill = PrefillSlice(2, 2 + rows, slots, None, prefix)  # the kernel reads no mask
+        out = torch.zeros(rows + 3, num_heads * head_dim, dtype=torch.bfloat16)
+        kernel.attend(query, k_cache, v_cache, prefill, head_dim ** -0.5, out)
+        want = reference_prefill(query, k_cache, v_cache, prefill, head_dim ** -0.5)
+        error = (out[2:2 + rows].float() - want).abs().max().item()
+        untouched = out[:2].abs().sum().item() + out[2 + rows:].abs().sum().item()
+        if not error < 2e-2 or untouched:
+            raise KernelBuildError(f"{kernel.path} differs from SDPA by {error:.2e} (head dim "
+                                   f"{head_dim}, {prefix} prefix keys) or wrote outside its rows")

@@ -1,0 +1,253 @@
+/* Causal prefill attention of one sequence in bf16 on AMX tiles (Intel Sapphire Rapids on),
+ * reading its keys and values where they lie in the paged cache.
+ *
+ * The chunk's num_q query rows follow num_prefix cached keys that all of them see; query row r
+ * sees keys 0 .. num_prefix + r (its own key last). Steps:
+ *   1. Each KV head's keys and values are packed once per call into the layout AMX takes as its
+ *      second operand (pairs of bf16 along the summed dimension), zero-padded to CHUNK keys.
+ *   2. Per query head and ROWS query rows (one task; tasks go to threads longest first):
+ *      scores = q . k on tiles (bf16 products, fp32 sums), only up to the block's last visible
+ *      key; then per row, in fp32: scaled, its maximum taken over its visible keys, exp(score -
+ *      max) (SLEEF's expf, as PyTorch's vectorized exp), summed in fp32 and rounded to bf16 as
+ *      the probabilities (as torch's CPU flash kernel rounds them for its second product);
+ *      masked keys get 0.
+ *   3. out = probabilities . v on tiles (fp32 sums), divided by the row's sum in fp32 and rounded
+ *      to bf16 once.
+ * The results are fp32 sums in another order than torch's flash kernel: within bf16 rounding of
+ * it, not bitwise equal.
+ *
+ * Head dims 64 and 128 (the query block stays in tiles 4-7). Returns 0, -1 for a head dim it does
+ * not take, -2 when its scratch memory could not be allocated. The process must have asked the
+ * kernel for AMX state (tpserve_amx_request, once) before the first call.
+ *
+ * Called through ctypes by kv/attention/cpu_prefill.py, which compiles it at first use on CPUs
+ * with AMX (-O3 -march=native -fopenmp -ffp-contract=off) and checks it against PyTorch's SDPA.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "bf16_avx512.h"
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define ROWS 16  /* query rows per task, and keys per score tile */
+#define CHUNK 32 /* keys per probabilities . v step (bf16 pairs of a tile row) */
+#define MAX_HEAD_DIM 128
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} TileConfig;
+
+/* Asks Linux for the AMX tile state for this process: 0 on success. */
+int tpserve_amx_request(void) {
+  return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+}
+
+static void configure_tiles(void) { /* every tile 16 rows of 64 bytes */
+  TileConfig config;
+  memset(&config, 0, sizeof config);
+  config.palette = 1;
+  for (int t = 0; t < 8; t++) {
+    config.rows[t] = ROWS;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+/* One KV head's keys as the scores' second operand: per ROWS keys, D/2 rows of (ROWS keys x 2
+ * dims); keys from nk on are zeros. */
+static void pack_keys(const uint16_t *cache, const int64_t *slots, int64_t nk, int64_t nk_pad,
+                      int64_t slot_stride, int64_t D, uint32_t *packed) {
+  for (int64_t key = 0; key < nk_pad; key++) {
+    uint32_t *tile = packed + key / ROWS * ROWS * (D / 2);
+    const uint32_t *pairs = key < nk ? (const uint32_t *)(cache + slots[key] * slot_stride) : NULL;
+    for (int64_t p = 0; p < D / 2; p++) tile[p * ROWS + key % ROWS] = pairs ? pairs[p] : 0;
+  }
+}
+
+/* One KV head's values as the second product's second operand: per CHUNK keys and 16 dims,
+ * CHUNK/2 rows of (16 dims x 2 keys); keys from nk on are zeros. */
+static void pack_values(const uint16_t *cache, const int64_t *slots, int64_t nk, int64_t nk_pad,
+                        int64_t slot_stride, int64_t D, uint16_t *packed) {
+  for (int64_t key = 0; key < nk_pad; key++) {
+    const uint16_t *row = key < nk ? cache + slots[key] * slot_stride : NULL;
+    const int64_t chunk = key / CHUNK, pair = key % CHUNK / 2, half = key % 2;
+    for (int64_t d = 0; d < D; d++) {
+      uint16_t *tile = packed + (chunk * (D / 16) + d / 16) * (CHUNK / 2) * 32;
+      tile[pair * 32 + d % 16 * 2 + half] = row ? row[d] : 0;
+    }
+  }
+}
+
+/* Row `s` of scores: scaled in place over its `visible` keys, then exp(score - max) rounded to
+ * bf16 into `p` (zeros from `visible` up to `width`); returns the fp32 sum of the exps. */
+static float softmax_row(float *s, int64_t visible, int64_t width, float scale, uint16_t *p) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < visible; j += 16) {
+    const __mmask16 m = visible - j >= 16 ? 0xffff : (__mmask16)((1u << (visible - j)) - 1);
+    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), vscale);
+    _mm512_mask_storeu_ps(s + j, m, x);
+    vmax = _mm512_mask_max_ps(vmax, m, vmax, x);
+  }
+  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < width; j += 16) {
+    const int64_t left = visible - j;
+    const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + j), max);
+    const __m512 e = _mm512_maskz_mov_ps(m, v_sleef_expf(x));
+    vsum = _mm512_add_ps(vsum, e);
+    v_store(p + j, e);
+  }
+  return _mm512_reduce_add_ps(vsum);
+}
+
+/* Scores of the query block (in tiles 4..) against `width` packed keys, into s (ROWS x width). */
+static void scores(const uint16_t *keys, int64_t width, int64_t D, float *s) {
+  for (int64_t t = 0; t < width / ROWS; t++) {
+    const uint16_t *tile = keys + t * ROWS * D;
+    _tile_zero(0);
+    _tile_loadd(2, tile, 64);
+    _tile_dpbf16ps(0, 4, 2);
+    _tile_loadd(3, tile + 512, 64);
+    _tile_dpbf16ps(0, 5, 3);
+    if (D == 128) {
+      _tile_loadd(2, tile + 1024, 64);
+      _tile_dpbf16ps(0, 6, 2);
+      _tile_loadd(3, tile + 1536, 64);
+      _tile_dpbf16ps(0, 7, 3);
+    }
+    _tile_stored(0, s + t * ROWS, width * 4);
+  }
+}
+
+/* Dims [64 * pass, 64 * pass + 64) of probabilities (ROWS x width) . packed values, into o
+ * (ROWS x 64 fp32). */
+static void weighted_values(const uint16_t *p, const uint16_t *values, int64_t width, int64_t D,
+                            int64_t pass, float *o) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t c = 0; c < width / CHUNK; c++) {
+    const uint16_t *tiles = values + (c * (D / 16) + pass * 4) * 512;
+    _tile_loadd(0, p + c * CHUNK, width * 2);
+    _tile_loadd(2, tiles, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_loadd(3, tiles + 512, 64);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_loadd(2, tiles + 1024, 64);
+    _tile_dpbf16ps(6, 0, 2);
+    _tile_loadd(3, tiles + 1536, 64);
+    _tile_dpbf16ps(7, 0, 3);
+  }
+  _tile_stored(4, o, 64 * 4);
+  _tile_stored(5, o + 16, 64 * 4);
+  _tile_stored(6, o + 32, 64 * 4);
+  _tile_stored(7, o + 48, 64 * 4);
+}
+
+typedef struct {
+  const uint16_t *q;
+  int64_t q_stride, num_q, num_prefix, D;
+  float scale;
+  uint16_t *out;
+  int64_t out_stride;
+} Prefill;
+
+typedef struct { /* one thread's scratch */
+  float *s, *o, *sums;
+  uint16_t *p, *qbuf;
+} Scratch;
+
+/* Query rows [r0, r0 + ROWS) of head h, over its KV head's packed keys and values. */
+static void attend_block(const Prefill *a, int64_t h, int64_t r0, const uint16_t *keys,
+                         const uint16_t *values, const Scratch *w) {
+  const int64_t D = a->D, nrows = a->num_q - r0 < ROWS ? a->num_q - r0 : ROWS;
+  const int64_t width = (a->num_prefix + r0 + nrows + CHUNK - 1) / CHUNK * CHUNK;
+  memset(w->qbuf, 0, ROWS * D * 2);
+  for (int64_t i = 0; i < nrows; i++)
+    memcpy(w->qbuf + i * D, a->q + (r0 + i) * a->q_stride + h * D, D * 2);
+  _tile_loadd(4, w->qbuf, D * 2);
+  _tile_loadd(5, w->qbuf + 32, D * 2);
+  if (D == 128) {
+    _tile_loadd(6, w->qbuf + 64, D * 2);
+    _tile_loadd(7, w->qbuf + 96, D * 2);
+  }
+  scores(keys, width, D, w->s);
+  for (int64_t i = 0; i < ROWS; i++) {
+    if (i < nrows)
+      w->sums[i] = softmax_row(w->s + i * width, a->num_prefix + r0 + i + 1, width, a->scale,
+                               w->p + i * width);
+    else
+      memset(w->p + i * width, 0, width * 2);
+  }
+  for (int64_t pass = 0; pass < D / 64; pass++) {
+    weighted_values(w->p, values, width, D, pass, w->o);
+    for (int64_t i = 0; i < nrows; i++) {
+      const __m512 inverse = _mm512_set1_ps(1.f / w->sums[i]);
+      uint16_t *row = a->out + (r0 + i) * a->out_stride + h * D + pass * 64;
+      for (int64_t d = 0; d < 64; d += 16)
+        v_store(row + d, _mm512_mul_ps(_mm512_loadu_ps(w->o + i * 64 + d), inverse));
+    }
+  }
+}
+
+/* q: num_q rows of H heads of D (row stride q_stride); caches [slots, Hkv, D]; slots: the
+ * num_prefix + num_q keys in position order; out: num_q rows (row stride out_stride). */
+int tpserve_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                                   const uint16_t *v_cache, const int64_t *slots, int64_t num_q,
+                                   int64_t num_prefix, int64_t H, int64_t Hkv, int64_t D,
+                                   float scale, uint16_t *out, int64_t out_stride,
+                                   int num_threads) {
+  if (D != 64 && D != 128) return -1;
+  const Prefill a = {q, q_stride, num_q, num_prefix, D, scale, out, out_stride};
+  const int64_t nk = num_prefix + num_q, nk_pad = (nk + CHUNK - 1) / CHUNK * CHUNK;
+  const int64_t group = H / Hkv, blocks = (num_q + ROWS - 1) / ROWS;
+  uint16_t *keys = aligned_alloc(64, (size_t)(2 * Hkv * nk_pad * D) * 2);
+  if (!keys) return -2;
+  uint16_t *values = keys + Hkv * nk_pad * D;
+  int status = 0;
+#pragma omp parallel num_threads(num_threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < 2 * Hkv; i++) {
+      const int64_t hk = i % Hkv;
+      if (i < Hkv)
+        pack_keys(k_cache + hk * D, slots, nk, nk_pad, Hkv * D, D,
+                  (uint32_t *)(keys + hk * nk_pad * D));
+      else
+        pack_values(v_cache + hk * D, slots, nk, nk_pad, Hkv * D, D, values + hk * nk_pad * D);
+    }
+    Scratch w = {aligned_alloc(64, (size_t)(ROWS * (nk_pad + MAX_HEAD_DIM + 1)) * 4), NULL, NULL,
+                 aligned_alloc(64, (size_t)(ROWS * (nk_pad + MAX_HEAD_DIM)) * 2), NULL};
+    if (w.s && w.p) {
+      w.o = w.s + ROWS * nk_pad;
+      w.sums = w.o + ROWS * MAX_HEAD_DIM;
+      w.qbuf = w.p + ROWS * nk_pad;
+      configure_tiles();
+    } else {
+#pragma omp atomic write
+      status = -2;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < H * blocks; task++) { /* the longest blocks first */
+      const int64_t block = blocks - 1 - task / H, h = task % H, hk = h / group;
+      if (w.qbuf)
+        attend_block(&a, h, block * ROWS, keys + hk * nk_pad * D, values + hk * nk_pad * D, &w);
+    }
+    if (w.qbuf) _tile_release();
+    free(w.s);
+    free(w.p);
+  }
+  free(keys);
+  return status;
+}
