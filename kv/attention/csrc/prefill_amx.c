@@ -7,10 +7,10 @@
  *      second operand (pairs of bf16 along the summed dimension), zero-padded to CHUNK keys.
  *   2. Per query head and ROWS query rows (one task; tasks go to threads longest first):
  *      scores = q . k on tiles (bf16 products, fp32 sums), only up to the block's last visible
- *      key; then per row, in fp32: scaled, its maximum taken over its visible keys, exp(score -
- *      max) (SLEEF's expf, as PyTorch's vectorized exp), summed in fp32 and rounded to bf16 as
- *      the probabilities (as torch's CPU flash kernel rounds them for its second product);
- *      masked keys get 0.
+ *      key; then per row, in fp32: scaled, less the maximum over its visible keys, exp'd (a
+ *      polynomial within about an ulp of expf), summed in fp32 and rounded to bf16 as the
+ *      probabilities (as torch's CPU flash kernel rounds them for its second product); masked
+ *      keys get 0.
  *   3. out = probabilities . v on tiles (fp32 sums), divided by the row's sum in fp32 and rounded
  *      to bf16 once.
  * The results are fp32 sums in another order than torch's flash kernel: within bf16 rounding of
@@ -76,37 +76,64 @@ static void pack_keys(const uint16_t *cache, const int64_t *slots, int64_t nk, i
  * CHUNK/2 rows of (16 dims x 2 keys); keys from nk on are zeros. */
 static void pack_values(const uint16_t *cache, const int64_t *slots, int64_t nk, int64_t nk_pad,
                         int64_t slot_stride, int64_t D, uint16_t *packed) {
-  for (int64_t key = 0; key < nk_pad; key++) {
-    const uint16_t *row = key < nk ? cache + slots[key] * slot_stride : NULL;
-    const int64_t chunk = key / CHUNK, pair = key % CHUNK / 2, half = key % 2;
-    for (int64_t d = 0; d < D; d++) {
-      uint16_t *tile = packed + (chunk * (D / 16) + d / 16) * (CHUNK / 2) * 32;
-      tile[pair * 32 + d % 16 * 2 + half] = row ? row[d] : 0;
+  /* lane 2n takes dim n of the first key (low half), lane 2n + 1 dim n of the second */
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t key = 0; key < nk_pad; key += 2) {
+    const uint16_t *first = key < nk ? cache + slots[key] * slot_stride : NULL;
+    const uint16_t *second = key + 1 < nk ? cache + slots[key + 1] * slot_stride : NULL;
+    uint16_t *row = packed + key / CHUNK * (D / 16) * 512 + key % CHUNK / 2 * 32;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256i zero = _mm256_setzero_si256();
+      const __m256i a = first ? _mm256_loadu_si256((const __m256i *)(first + d)) : zero;
+      const __m256i b = second ? _mm256_loadu_si256((const __m256i *)(second + d)) : zero;
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+      _mm512_storeu_si512(row + d / 16 * 512, _mm512_permutexvar_epi16(interleave, both));
     }
   }
 }
 
-/* Row `s` of scores: scaled in place over its `visible` keys, then exp(score - max) rounded to
- * bf16 into `p` (zeros from `visible` up to `width`); returns the fp32 sum of the exps. */
-static float softmax_row(float *s, int64_t visible, int64_t width, float scale, uint16_t *p) {
-  const __m512 vscale = _mm512_set1_ps(scale);
+/* exp(x) for x <= 0 (below -87, about 0): a degree-6 polynomial of the reduced argument,
+ * scaled by 2^n; within about an ulp of expf. */
+static inline __m512 v_exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+/* Row `s` of unscaled scores: exp(scale * score - max) over its `visible` keys, rounded to bf16
+ * into `p` (zeros from `visible` up to `width`); returns the fp32 sum of the exps. */
+static float softmax_row(const float *s, int64_t visible, int64_t width, float scale,
+                         uint16_t *p) {
   __m512 vmax = _mm512_set1_ps(-INFINITY);
   for (int64_t j = 0; j < visible; j += 16) {
     const __mmask16 m = visible - j >= 16 ? 0xffff : (__mmask16)((1u << (visible - j)) - 1);
-    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), vscale);
-    _mm512_mask_storeu_ps(s + j, m, x);
-    vmax = _mm512_mask_max_ps(vmax, m, vmax, x);
+    vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + j));
   }
-  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  /* scale > 0 and rounding is monotonic: the maximum of the scaled scores */
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 max = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(vmax)), vscale);
   __m512 vsum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < width; j += 16) {
-    const int64_t left = visible - j;
-    const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
-    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + j), max);
-    const __m512 e = _mm512_maskz_mov_ps(m, v_sleef_expf(x));
+  int64_t j = 0;
+  for (; j < visible; j += 16) {
+    const __mmask16 m = visible - j >= 16 ? 0xffff : (__mmask16)((1u << (visible - j)) - 1);
+    const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), vscale), max);
+    const __m512 e = _mm512_maskz_mov_ps(m, v_exp_nonpositive(x));
     vsum = _mm512_add_ps(vsum, e);
     v_store(p + j, e);
   }
+  for (; j < width; j += 16) _mm256_storeu_si256((__m256i *)(p + j), _mm256_setzero_si256());
   return _mm512_reduce_add_ps(vsum);
 }
 
