@@ -44,6 +44,10 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC
 LINK_FLAGS = ("-shared", "-fopenmp")
 SWITCH_ENV = "TPSERVE_CPU_KERNELS"
 HEAD_DIMS = (64, 128)  # what the kernel takes (its query block stays in four tiles)
+# The most keys a prefill may see on the kernel: it packs every key and value of the call at once
+# (2 * Hkv * keys * D bf16: 32 MiB for 8 KV heads of 128 at this bound, plus 16 * keys fp32
+# scores a thread). Past it SDPA runs, whose tiles keep its memory flat.
+MAX_KEYS = 8192
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -76,9 +80,10 @@ class PrefillKernel:
 
     @staticmethod
     def takes(prefill: PrefillSlice) -> bool:
-        """Whether the kernel computes this prefill's mask: plain causal, or causal after a
-        prefix every query sees (no sliding window cutting the keys)."""
-        return prefill.mask is None or prefill.num_prefix_keys > 0
+        """Whether the kernel computes this prefill's mask (plain causal, or causal after a
+        prefix every query sees: no sliding window cutting the keys) over at most `MAX_KEYS`."""
+        return ((prefill.mask is None or prefill.num_prefix_keys > 0)
+                and prefill.kv_slots.shape[0] <= MAX_KEYS)
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                prefill: PrefillSlice, scale: float, out: torch.Tensor) -> None:

@@ -64,6 +64,13 @@ def test_takes_causal_prefills_with_or_without_a_prefix_but_not_a_window():
     assert not any(PrefillKernel.takes(p) for p in windowed)
 
 
+def test_leaves_prefills_past_max_keys_to_sdpa():
+    keys = torch.arange(cpu_prefill.MAX_KEYS + 1)
+    assert PrefillKernel.takes(PrefillSlice(0, 100, keys[:cpu_prefill.MAX_KEYS], None,
+                                            cpu_prefill.MAX_KEYS - 100))
+    assert not PrefillKernel.takes(PrefillSlice(0, 100, keys, None, cpu_prefill.MAX_KEYS - 99))
+
+
 @needs_amx
 def test_paged_attention_sends_the_prefills_it_takes_to_the_kernel(monkeypatch):
     torch.manual_seed(0)
