@@ -120,6 +120,7 @@ class BuildNative(build_ext):
 
 DECODE_KERNEL = NativeLibrary(
     "kv.attention.libpaged_decode", ["kv/attention/csrc/paged_decode.c"], ctypes=True, march=True,
+    depends=["kv/attention/csrc/bf16_avx512.h"],
     # Linked without -ffast-math: see the source's comment. -fno-wrapv undoes Python's CFLAGS.
     extra_compile_args=["-O3", "-fopenmp", "-ffast-math", "-fno-wrapv"],
     extra_link_args=["-fopenmp"], libraries=["mvec"])

@@ -25,8 +25,8 @@ from kv.native_stamp import cpu_flags, required_cpu_flags
 REPO = Path(__file__).resolve().parent.parent
 NATIVE_FILES = ("kv/attention/libpaged_decode.so",
                 f"cluster/routing/tpserve_native_rank{sysconfig.get_config_var('EXT_SUFFIX')}")
-SOURCES = ("kv/attention/csrc/paged_decode.c", "cluster/routing/csrc/native_rank.c",
-           "cluster/routing/csrc/prefix_table.h")
+SOURCES = ("kv/attention/csrc/paged_decode.c", "kv/attention/csrc/bf16_avx512.h",
+           "cluster/routing/csrc/native_rank.c", "cluster/routing/csrc/prefix_table.h")
 # Run by the installed package's Python, from outside the checkout: what it imported and loaded.
 PROBE = """
 import json, logging

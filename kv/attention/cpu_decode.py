@@ -45,6 +45,7 @@ from kv.native_build import KernelBuildError, build_shared, load_shipped_or_buil
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+HEADER = SOURCE.with_name("bf16_avx512.h")  # its AVX-512 exp, shared with the prefill kernel
 LIBRARY = Path(__file__).with_name("libpaged_decode.so")  # built with the package (setup.py)
 # What compiles it at first use where LIBRARY cannot be used (setup.py's flags are portable).
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC")
@@ -178,7 +179,8 @@ def decode_kernel() -> Optional[DecodeKernel]:
         logger.info("CPU decode attention: %s=0, the PyTorch path runs", SWITCH_ENV)
         return None
     try:
-        kernel, why_built = load_shipped_or_built(LIBRARY, (SOURCE,), DecodeKernel, build)
+        kernel, why_built = load_shipped_or_built(LIBRARY, (SOURCE, HEADER), DecodeKernel,
+                                                   build)
         check(kernel)
     except (KernelBuildError, OSError) as exc:
         logger.warning("CPU decode attention: the C kernel is not used, the PyTorch path runs "
@@ -196,7 +198,8 @@ def build(cache_dir: Optional[Path] = None) -> Path:
     """The kernel compiled at first use, where `LIBRARY` cannot be used: its path, compiling it
     unless a build for this source, compiler and CPU is cached. Raises `KernelBuildError` naming
     the command and its error."""
-    return build_shared(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBRARIES, cache_dir)
+    return build_shared(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBRARIES, cache_dir,
+                        headers=(HEADER,))
 
 
 def check(kernel: DecodeKernel) -> None:

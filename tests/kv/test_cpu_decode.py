@@ -3,6 +3,7 @@ path, and a machine where it cannot be had runs the PyTorch path with a warning.
 
 import logging
 import os
+import shutil
 import stat
 import tempfile
 
@@ -180,7 +181,7 @@ def _shipped_library_or_skip():
     if not cpu_decode.LIBRARY.exists():
         pytest.skip("not built with the package here (`pip install -e .` builds it)")
     try:
-        check_stamp(cpu_decode.LIBRARY, (cpu_decode.SOURCE,))
+        check_stamp(cpu_decode.LIBRARY, (cpu_decode.SOURCE, cpu_decode.HEADER))
     except LibraryRefused as exc:
         if "CPU lacks" not in str(exc):
             raise
@@ -202,6 +203,7 @@ def test_a_library_built_from_other_sources_is_compiled_anew(monkeypatch, fresh_
     _shipped_library_or_skip()
     edited = tmp_path / "paged_decode.c"
     edited.write_text(cpu_decode.SOURCE.read_text() + "/* edited */\n")
+    shutil.copy(cpu_decode.HEADER, tmp_path)  # the header it includes, beside it
     monkeypatch.setattr(cpu_decode, "SOURCE", edited)
     with caplog.at_level(logging.INFO, logger=cpu_decode.__name__):
         kernel = decode_kernel()

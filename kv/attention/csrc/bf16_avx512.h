@@ -1,20 +1,26 @@
-/* bf16 <-> fp32 on AVX-512 (F and BW), 16 lanes at a time, rounding as c10::BFloat16 does, and
- * SLEEF's expf_u10 (PyTorch's vectorized exp on x86): the same reduction, polynomial and FMAs as
- * the scalar code of workers/models/csrc/layer_ops.c, so the same bits. Included by that file and
- * by kv/attention/csrc/prefill_amx.c; compile with -ffp-contract=off. */
+/* fp32 math on AVX-512 (F and BW), 16 lanes at a time: bf16 <-> fp32 rounding as c10::BFloat16
+ * does; SLEEF's expf_u10 (PyTorch's vectorized exp on x86: the same reduction, polynomial and FMAs
+ * as the scalar code of workers/models/csrc/layer_ops.c, so the same bits); and a faster exp for
+ * softmax. Included by layer_ops.c (-ffp-contract=off), prefill_amx.c and paged_decode.c. Each
+ * function is TPSERVE_AVX512_FN: static inline, or what the includer defines it as before (the
+ * decode kernel, built for a lower -march, gives them its AVX-512 target attribute). */
 #ifndef TPSERVE_BF16_AVX512_H
 #define TPSERVE_BF16_AVX512_H
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
-static inline __m512 v_load(const uint16_t *p) { /* 16 bf16 -> fp32 */
+#ifndef TPSERVE_AVX512_FN
+#define TPSERVE_AVX512_FN static inline
+#endif
+
+TPSERVE_AVX512_FN __m512 v_load(const uint16_t *p) { /* 16 bf16 -> fp32 */
   const __m256i h = _mm256_loadu_si256((const __m256i *)p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* to_bf16's bits, still in the high half of each 32-bit lane (the low half zero). */
-static inline __m512i v_round_bits(__m512 f) {
+TPSERVE_AVX512_FN __m512i v_round_bits(__m512 f) {
   const __m512i bits = _mm512_castps_si512(f);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_and_si512(
@@ -24,22 +30,22 @@ static inline __m512i v_round_bits(__m512 f) {
                                _mm512_set1_epi32(0x7fc00000));
 }
 
-static inline __m512 v_round_bf16(__m512 f) { return _mm512_castsi512_ps(v_round_bits(f)); }
+TPSERVE_AVX512_FN __m512 v_round_bf16(__m512 f) { return _mm512_castsi512_ps(v_round_bits(f)); }
 
-static inline void v_store(uint16_t *p, __m512 f) {
+TPSERVE_AVX512_FN void v_store(uint16_t *p, __m512 f) {
   _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(v_round_bits(f), 16)));
 }
 
-static inline __m512 v_negate(__m512 f) { /* -f: the sign bit flipped, exactly */
+TPSERVE_AVX512_FN __m512 v_negate(__m512 f) { /* -f: the sign bit flipped, exactly */
   return _mm512_castsi512_ps(
       _mm512_xor_si512(_mm512_castps_si512(f), _mm512_set1_epi32((int)0x80000000u)));
 }
 
-static inline __m512 v_pow2i(__m512i q) {
+TPSERVE_AVX512_FN __m512 v_pow2i(__m512i q) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(0x7f)), 23));
 }
 
-static inline __m512 v_sleef_expf(__m512 d) { /* sleef_expf, 16 at a time */
+TPSERVE_AVX512_FN __m512 v_sleef_expf(__m512 d) { /* sleef_expf, 16 at a time */
   const __m512 q = _mm512_roundscale_ps(
       _mm512_mul_ps(d, _mm512_set1_ps(1.442695040888963407359924681001892137f)),
       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -58,6 +64,25 @@ static inline __m512 v_sleef_expf(__m512 d) { /* sleef_expf, 16 at a time */
                          _mm512_setzero_ps());
   return _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(d, _mm512_set1_ps(104.f), _CMP_GT_OQ),
                             _mm512_set1_ps(INFINITY));
+}
+
+/* exp(x) for x >= -87 (lower lanes give exp(-87)): n = round(x / ln 2), r = x - n ln 2 in two
+ * parts, exp(r) by its Taylor polynomial to r^6 (|r| <= ln 2 / 2), scaled by 2^n; within 2 ulp
+ * of expf. */
+TPSERVE_AVX512_FN __m512 v_exp(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
 }
 
 #endif

@@ -142,6 +142,8 @@ static void attend_tile(const Inputs *in, const float *q, const float *keys, con
 #define ACC_REGS 16  /* value sums kept in registers: ACC_REGS / (D / 16) heads at once */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 #define AVX512_INLINE static inline __attribute__((always_inline)) AVX512
+#define TPSERVE_AVX512_FN AVX512_INLINE
+#include "bf16_avx512.h" /* v_exp */
 
 /* The sums of each of a[0..15], lane j of the result holding a[j]'s. */
 AVX512_INLINE __m512 reduce16(__m512 a[KEYS]) {
@@ -159,24 +161,6 @@ AVX512_INLINE __m512 reduce16(__m512 a[KEYS]) {
                          _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xdd));
   return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
                        _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
-}
-
-/* exp(x) for x >= -87 (lower lanes give exp(-87)): n = round(x / ln 2), r = x - n ln 2 in
- * two parts, exp(r) by its Taylor polynomial to r^6 (|r| <= ln 2 / 2), scaled by 2^n. */
-AVX512_INLINE __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
 }
 
 /* 16 bf16 at p widened to fp32. */
@@ -259,7 +243,7 @@ AVX512_INLINE void attend16(const Inputs *in, const float *q, const int64_t *row
       __m512 s = scores16(in, q + head * D, at, D);
       s = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-FLT_MAX), s);
       const float top = fmaxf(m[head], _mm512_reduce_max_ps(s));
-      const __m512 e = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(s, _mm512_set1_ps(top))));
+      const __m512 e = _mm512_maskz_mov_ps(seen, v_exp(_mm512_sub_ps(s, _mm512_set1_ps(top))));
       _mm512_storeu_ps(p[g], e);
       const float rescale = expf(m[head] - top); /* 0 for the first keys */
       l[head] = l[head] * rescale + _mm512_reduce_add_ps(e);

@@ -7,8 +7,8 @@
  *      second operand (pairs of bf16 along the summed dimension), zero-padded to CHUNK keys.
  *   2. Per query head and ROWS query rows (one task; tasks go to threads longest first):
  *      scores = q . k on tiles (bf16 products, fp32 sums), only up to the block's last visible
- *      key; then per row, in fp32: scaled, less the maximum over its visible keys, exp'd (a
- *      polynomial within about an ulp of expf), summed in fp32 and rounded to bf16 as the
+ *      key; then per row, in fp32: scaled, less the maximum over its visible keys, exp'd (v_exp,
+ *      within 2 ulp of expf), summed in fp32 and rounded to bf16 as the
  *      probabilities (as torch's CPU flash kernel rounds them for its second product); masked
  *      keys get 0.
  *   3. out = probabilities . v on tiles (fp32 sums), divided by the row's sum in fp32 and rounded
@@ -94,24 +94,6 @@ static void pack_values(const uint16_t *cache, const int64_t *slots, int64_t nk,
   }
 }
 
-/* exp(x) for x <= 0 (below -87, about 0): a degree-6 polynomial of the reduced argument,
- * scaled by 2^n; within about an ulp of expf. */
-static inline __m512 v_exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 /* Row `s` of unscaled scores: exp(scale * score - max) over its `visible` keys, rounded to bf16
  * into `p` (zeros from `visible` up to `width`); returns the fp32 sum of the exps. */
 static float softmax_row(const float *s, int64_t visible, int64_t width, float scale,
@@ -129,7 +111,7 @@ static float softmax_row(const float *s, int64_t visible, int64_t width, float s
   for (; j < visible; j += 16) {
     const __mmask16 m = visible - j >= 16 ? 0xffff : (__mmask16)((1u << (visible - j)) - 1);
     const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), vscale), max);
-    const __m512 e = _mm512_maskz_mov_ps(m, v_exp_nonpositive(x));
+    const __m512 e = _mm512_maskz_mov_ps(m, v_exp(x));
     vsum = _mm512_add_ps(vsum, e);
     v_store(p + j, e);
   }
