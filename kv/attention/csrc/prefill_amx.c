@@ -5,7 +5,8 @@
  * sees keys 0 .. num_prefix + r (its own key last). Steps:
  *   1. Each KV head's keys and values are packed once per call into the layout AMX takes as its
  *      second operand (pairs of bf16 along the summed dimension), zero-padded to CHUNK keys.
- *   2. Per query head and ROWS query rows (one task; tasks go to threads longest first):
+ *   2. Per query head and ROWS query rows (one task; tasks go to threads a KV head at a time,
+ *      longest first):
  *      scores = q . k on tiles (bf16 products, fp32 sums), only up to the block's last visible
  *      key; then per row, in fp32: scaled, less the maximum over its visible keys, exp'd (v_exp,
  *      within 2 ulp of expf), summed in fp32 and rounded to bf16 as the
@@ -248,8 +249,11 @@ int tpserve_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const ui
       status = -2;
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < H * blocks; task++) { /* the longest blocks first */
-      const int64_t block = blocks - 1 - task / H, h = task % H, hk = h / group;
+    for (int64_t task = 0; task < H * blocks; task++) {
+      /* a KV head's tasks in a row, so its packed keys and values stay in cache; its longest
+       * blocks first */
+      const int64_t hk = task / (group * blocks), rest = task % (group * blocks);
+      const int64_t block = blocks - 1 - rest / group, h = hk * group + rest % group;
       if (w.qbuf)
         attend_block(&a, h, block * ROWS, keys + hk * nk_pad * D, values + hk * nk_pad * D, &w);
     }
