@@ -64,8 +64,8 @@ class PrefillKernel:
             raise KernelBuildError(f"Linux refused this process the AMX tile state "
                                    f"(arch_prctl ARCH_REQ_XCOMP_PERM returned {status})")
         self._attend = lib.tpserve_prefill_attention_bf16
-        self._attend.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P, _I,
-                                 ctypes.c_int]
+        self._attend.argtypes = [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P,
+                                 _I, ctypes.c_int]
         self._attend.restype = ctypes.c_int
 
     @staticmethod
@@ -100,9 +100,13 @@ class PrefillKernel:
                              f"{slots.shape[0]}")
         status = self._attend(
             query[prefill.start].data_ptr(), query.stride(0), k_cache.data_ptr(),
-            v_cache.data_ptr(), slots.data_ptr(), rows, prefill.num_prefix_keys, num_heads,
+            v_cache.data_ptr(), k_cache.shape[0], slots.data_ptr(), rows, prefill.num_prefix_keys,
+            num_heads,
             k_cache.shape[1], head_dim, scale, out[prefill.start].data_ptr(), out.stride(0),
             torch.get_num_threads())
+        if status == -3:
+            raise ValueError(f"a prefill's key slots must lie in the cache's {k_cache.shape[0]}: "
+                             f"got {slots.min().item()}..{slots.max().item()}")
         if status == -2:
             raise MemoryError(f"the prefill attention kernel could not allocate its scratch for "
                               f"{slots.shape[0]} keys")

@@ -45,6 +45,19 @@ def test_the_kernel_is_within_bf16_rounding_of_sdpa(rows, prefix, heads, kv_head
     assert (out[:prefill.start] == 7).all() and (out[prefill.end:] == 7).all()
 
 
+@needs_amx
+def test_a_slot_outside_the_cache_is_refused_before_anything_is_read():
+    query, k_cache, v_cache, prefill = _case(20, 4, 4, 2, 64)
+    out = torch.zeros(query.shape[0], 4 * 64, dtype=torch.bfloat16)
+    for bad in (k_cache.shape[0], -1):
+        slots = prefill.kv_slots.clone()
+        slots[7] = bad
+        wrong = PrefillSlice(prefill.start, prefill.end, slots, None, prefill.num_prefix_keys)
+        with pytest.raises(ValueError, match="key slots must lie in the cache's"):
+            prefill_kernel().attend(query, k_cache, v_cache, wrong, 0.125, out)
+    assert (out == 0).all()
+
+
 def test_accepts_only_bf16_rows_of_the_head_dims_it_has_tiles_for():
     query, k_cache, v_cache, _ = _case(4, 0, 4, 2, 64)
     assert PrefillKernel.accepts(query, k_cache, v_cache)

@@ -18,7 +18,8 @@
  * it, not bitwise equal.
  *
  * Head dims 64 and 128 (the query block stays in tiles 4-7). Returns 0, -1 for a head dim it does
- * not take, -2 when its scratch memory could not be allocated. The process must have asked the
+ * not take, -2 when its scratch memory could not be allocated, -3 for a key's slot outside [0,
+ * num_slots) (nothing read there, out not written). The process must have asked the
  * kernel for AMX state (tpserve_amx_request, once) before the first call.
  *
  * Called through ctypes by kv/attention/cpu_prefill.py, which compiles it at first use on CPUs
@@ -211,14 +212,16 @@ static void attend_block(const Prefill *a, int64_t h, int64_t r0, const uint16_t
   }
 }
 
-/* q: num_q rows of H heads of D (row stride q_stride); caches [slots, Hkv, D]; slots: the
+/* q: num_q rows of H heads of D (row stride q_stride); caches [num_slots, Hkv, D]; slots: the
  * num_prefix + num_q keys in position order; out: num_q rows (row stride out_stride). */
 int tpserve_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                                   const uint16_t *v_cache, const int64_t *slots, int64_t num_q,
-                                   int64_t num_prefix, int64_t H, int64_t Hkv, int64_t D,
-                                   float scale, uint16_t *out, int64_t out_stride,
-                                   int num_threads) {
+                                   const uint16_t *v_cache, int64_t num_slots,
+                                   const int64_t *slots, int64_t num_q, int64_t num_prefix,
+                                   int64_t H, int64_t Hkv, int64_t D, float scale, uint16_t *out,
+                                   int64_t out_stride, int num_threads) {
   if (D != 64 && D != 128) return -1;
+  for (int64_t key = 0; key < num_prefix + num_q; key++)
+    if (slots[key] < 0 || slots[key] >= num_slots) return -3;
   const Prefill a = {q, q_stride, num_q, num_prefix, D, scale, out, out_stride};
   const int64_t nk = num_prefix + num_q, nk_pad = (nk + CHUNK - 1) / CHUNK * CHUNK;
   const int64_t group = H / Hkv, blocks = (num_q + ROWS - 1) / ROWS;
