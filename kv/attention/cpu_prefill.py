@@ -39,8 +39,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "prefill_amx.c"
 HEADER = SOURCE.with_name("bf16_avx512.h")
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC",
-                 f"-I{SOURCE.parent}")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 SWITCH_ENV = "TPSERVE_CPU_KERNELS"
 HEAD_DIMS = (64, 128)  # what the kernel takes (its query block stays in four tiles)

@@ -137,7 +137,7 @@ def layer_kernels() -> Optional[LayerKernels]:
         return None
     try:
         kernels = LayerKernels(build_shared(SOURCE, COMPILE_FLAGS, LINK_FLAGS, LINK_LIBRARIES,
-                                                  headers=(HEADER,)))
+                                            headers=(HEADER,)))
         check(kernels)
     except (KernelBuildError, OSError) as exc:
         logger.warning("CPU bf16 layer ops: the C kernels are not used, the PyTorch expressions "
