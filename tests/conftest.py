@@ -11,6 +11,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# CPU ranks claim cores on a registry of their own in tests (parallel/cpu_binding.py), not on
+# the host's, which a server running beside the tests may hold; set before any Ray starts, so
+# its workers inherit it.
+if "TPSERVE_CORE_REGISTRY" not in os.environ:
+    import atexit
+    import tempfile
+
+    _registry = tempfile.NamedTemporaryFile(prefix="tpserve-cores-", suffix=".json",
+                                            delete=False)
+    _registry.close()
+    os.environ["TPSERVE_CORE_REGISTRY"] = _registry.name
+    atexit.register(lambda: os.path.exists(_registry.name) and os.unlink(_registry.name))
+
 import pytest  # noqa: E402
 
 from tiny_models import build_checkpoint  # noqa: E402

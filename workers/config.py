@@ -11,6 +11,7 @@ from workers.option_field import option
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+CPU_BINDINGS = ("auto", "none")
 KV_EVICTIONS = ("lru", "hotness")
 TIERS = "KV tiers (per rank)"  # the help section of the tier options
 
@@ -62,6 +63,13 @@ class EngineConfig:
         None, "overlap the host's work of each step (sampled ids, stop checks, detokenizing, "
               "scheduling the next step) with the device computing the next one (default: on "
               "for CUDA, off on CPU)")
+    # CPU ranks on cores of their own (parallel.cpu_binding): the ranks of served groups and of
+    # tpserve generate; LLM() in a caller's process only when it passes bind_cpu_cores.
+    cpu_binding: str = option(
+        "auto", "CPU ranks: auto runs each rank's process (served groups, tpserve generate) on "
+                "cores of its own, one per torch thread, where its node keeps a core for the "
+                "rest, and tpserve serve's local Ray on the cores left; none leaves both to the OS",
+        choices=CPU_BINDINGS)
     # KV tiers below the device pool (per rank): host memory, then local disk.
     # 0 and host_kv_blocks None: no host tier; host_kv_blocks wins over host_kv_gb
     host_kv_gb: float = option(0.0, "host-memory KV tier in GiB (0: none)", group=TIERS)
@@ -133,6 +141,8 @@ class EngineConfig:
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError("--grammar-compile-timeout-s must be positive, "
                              f"got {self.grammar_compile_timeout_s}")
+        if self.cpu_binding not in CPU_BINDINGS:
+            raise ValueError(f"--cpu-binding must be auto or none, got {self.cpu_binding!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError("--attention-backend must be auto, torch or triton, "
                              f"got {self.attention_backend!r}")

@@ -48,9 +48,11 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, launcher: RankLauncher = RankProcesses,
-                 init_host: str = "127.0.0.1") -> None:
+                 init_host: str = "127.0.0.1", bind_cpu_cores: bool = False) -> None:
         """``launcher`` starts ranks 1..N-1 from their configs (local processes by default; the
-        serving layer passes Ray actors); ``init_host`` is the address rank 0 listens on."""
+        serving layer passes Ray actors); ``init_host`` is the address rank 0 listens on;
+        ``bind_cpu_cores``: every CPU rank, this process's included, claims cores of its own
+        (`parallel.cpu_binding`; the serving layer's processes are the ranks')."""
         self.config = config
         self.model_dir, self.model_config = check_model(config)  # before any rank starts
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -58,7 +60,8 @@ class LLMEngine:
         self._rendezvous = RendezvousSocket(init_host) if config.tp_size > 1 else None
         try:
             sized = rank_configs(config, self.model_dir, self.model_config,
-                                 context_length(config, self.model_config), self._rendezvous)
+                                 context_length(config, self.model_config), self._rendezvous,
+                                 bind_cpu_cores)
             self.max_model_len, self._disk_lock = sized.max_model_len, sized.disk_lock
             self._children = launcher(sized.ranks[1:]) if config.tp_size > 1 else None
             self.rank = build_rank(sized.ranks[0], check_peers=(

@@ -13,10 +13,12 @@ Prompt = Union[str, Sequence[int]]
 
 class LLM:
     """``LLM(EngineConfig(model=...)).generate(prompts, params)`` -> outputs in prompt order
-    (a prompt whose params ask for ``n`` choices gives ``n`` outputs in a row, by ``index``)."""
+    (a prompt whose params ask for ``n`` choices gives ``n`` outputs in a row, by ``index``).
+    ``bind_cpu_cores``: CPU ranks, this process included, run on cores of their own
+    (`parallel.cpu_binding`): for a process that does nothing else."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
+    def __init__(self, config: EngineConfig, bind_cpu_cores: bool = False) -> None:
+        self.engine = LLMEngine(config, bind_cpu_cores=bind_cpu_cores)
 
     def generate(self, prompts: Sequence[Prompt],
                  params: Union[SamplingParams, Sequence[SamplingParams], None] = None

@@ -25,6 +25,7 @@ from kv.tiers.transfer_progress import TransferError
 from parallel.cpu_capability import cpu_bf16_support
 from parallel.onednn_linear import (PackedWeight, pack_linear_weights, packed_weights,
                                     warm_up_linears)
+from parallel.cpu_binding import bind_rank_cores
 from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
 from workers.cpu_malloc import keep_freed_memory
 from workers.device_memory import DeviceMemory, device_memory
@@ -59,6 +60,7 @@ class RankConfig:
     # CUDA: size the pool from this fraction of the device (num_kv_blocks is then the cap)
     gpu_memory_utilization: Optional[float] = None
     max_num_batched_tokens: int = 2048  # the largest step, profiled for the fraction above
+    bind_cores: bool = False  # CPU: this process on cores of its own (parallel.cpu_binding)
 
 
 @dataclass
@@ -155,6 +157,8 @@ def build_rank(config: RankConfig, check_peers: Optional[Callable[[], None]] = N
     device = torch.device(config.device)
     if device.type == "cpu":
         keep_freed_memory()  # no page faults on each step's large temporaries
+        if config.bind_cores:  # before the weights load: their pages go to its cores' node
+            bind_rank_cores(config.num_threads or torch.get_num_threads())
     tp = init_tp_group(config.group, device, check_peers)
     model_config = load_model_config(Path(config.model_dir))
     dtype = getattr(torch, config.dtype)

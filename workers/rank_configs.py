@@ -26,9 +26,10 @@ class RankConfigs:
 
 
 def rank_configs(cfg: EngineConfig, model_dir: Path, model: ModelConfig, max_model_len: int,
-                 rendezvous: Optional[RendezvousSocket]) -> RankConfigs:
+                 rendezvous: Optional[RendezvousSocket], bind_cores: bool = False) -> RankConfigs:
     """The configs of ranks 0..N-1: device, dtype, pool size, attention backend, KV tiers (a
-    disk tier claims its directories here: the caller releases ``disk_lock``)."""
+    disk tier claims its directories here: the caller releases ``disk_lock``); ``bind_cores``:
+    CPU ranks run on cores of their own (each rank in a process of its own)."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if use_cuda else "cpu")
     dtype = resolve_dtype(cfg.dtype, device, model.torch_dtype)
@@ -48,7 +49,8 @@ def rank_configs(cfg: EngineConfig, model_dir: Path, model: ModelConfig, max_mod
                    attention_backend=attention, cuda_graphs=not cfg.enforce_eager,
                    max_num_seqs=cfg.max_num_seqs,
                    gpu_memory_utilization=cfg.gpu_memory_utilization,
-                   max_num_batched_tokens=cfg.max_num_batched_tokens)
+                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                   bind_cores=bind_cores and not use_cuda)
         for rank in range(cfg.tp_size)
     ]
     return RankConfigs(ranks, max_model_len, disk_lock)

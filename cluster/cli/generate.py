@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     prompts: List[Prompt] = args.prompt if args.prompt else read_prompts_file(args.prompts_file)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    with LLM(engine_config(args)) as llm:
+    config = engine_config(args)
+    with LLM(config, bind_cpu_cores=config.cpu_binding == "auto") as llm:
         outputs = llm.generate(prompts, params)
     for out in outputs:
         if args.json:

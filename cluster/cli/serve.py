@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
 
+from cluster.app_config import ServeConfig
 from cluster.options import add_engine_arguments, add_serve_arguments, engine_config
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if args.address:
         ray.init(address=args.address)
     else:
+        keep_off_rank_cores(plan.config)  # before Ray starts: its processes inherit the cores
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
     try:
         serve.start(http_options={"host": plan.host, "port": plan.port},
@@ -70,6 +73,33 @@ def run(args: argparse.Namespace) -> int:
         kill_metrics_store()  # detached, so it would outlive the app on a shared cluster
         kill_group_allocator()  # and so would the plan's placement groups
         ray.shutdown()
+
+
+def keep_off_rank_cores(config: ServeConfig) -> None:
+    """This process, and so the local Ray it starts and every process of the server but the
+    ranks, on the cores the app's CPU ranks will leave unclaimed (`parallel.cpu_binding`); the
+    ranks claim theirs from all of the node's cores (``$TPSERVE_NODE_CPUS``)."""
+    import torch
+
+    from parallel.cpu_binding import (NODE_CPUS_ENV, format_cpu_list, node_cpus, pin_process,
+                                      serving_cores)
+
+    engine = config.engine
+    on_gpus = engine.device == "cuda" or (engine.device == "auto" and torch.cuda.is_available())
+    if engine.cpu_binding != "auto" or on_gpus:
+        return
+    cpus = node_cpus()
+    # one core per rank: a served rank runs one torch thread (cluster.app.group_resources)
+    cores = serving_cores(engine.tp_size * config.max_groups, cpus=cpus)
+    if cores is None:
+        logger.info("CPU binding: Ray's processes stay on every core: the groups' %d ranks "
+                    "and one core for the rest need more than this node's %d",
+                    engine.tp_size * config.max_groups, len(cpus))
+        return
+    os.environ[NODE_CPUS_ENV] = format_cpu_list(cpus)
+    pin_process(cores)
+    logger.info("CPU binding: Ray's processes on core(s) %s, the ranks' cores claimed from %s",
+                format_cpu_list(cores), format_cpu_list(cpus))
 
 
 def changed_options(args: argparse.Namespace) -> list:

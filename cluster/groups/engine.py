@@ -33,10 +33,12 @@ logger = logging.getLogger(__name__)
 
 
 def where_am_i(device: str) -> Dict[str, Any]:
-    """This process as a rank: Ray node id, the GPU the plan made visible, torch device, pid."""
+    """This process as a rank: Ray node id, the GPU the plan made visible, torch device, pid,
+    the cores it may run on."""
     return {"node": ray.get_runtime_context().get_node_id(),
             "device": os.environ.get("CUDA_VISIBLE_DEVICES"), "torch_device": device,
-            "pid": os.getpid(), "socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
+            "pid": os.getpid(), "socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+            "cpus": sorted(os.sched_getaffinity(0))}
 
 
 class GroupEngine:
@@ -44,7 +46,8 @@ class GroupEngine:
                  planned_group: Optional[int] = None) -> None:
         node_ip = ray.util.get_node_ip_address()
         self.engine = AsyncLLMEngine(
-            lambda: LLMEngine(engine_config, launcher=launcher, init_host=node_ip))
+            lambda: LLMEngine(engine_config, launcher=launcher, init_host=node_ip,
+                              bind_cpu_cores=engine_config.cpu_binding == "auto"))
         self.group_id = group_id
         self.planned_group = planned_group
         children = self.engine.engine.child_ranks

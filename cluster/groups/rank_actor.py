@@ -58,11 +58,13 @@ class RankActor:
         return rank_report(self._rank) if self._rank is not None else None
 
     def info(self) -> dict:
-        """Where this rank runs: node id, the GPU it was given, torch device, process id."""
+        """Where this rank runs: node id, the GPU it was given, torch device, process id, the
+        cores it may run on."""
         return {"node": ray.get_runtime_context().get_node_id(),
                 "device": os.environ.get("CUDA_VISIBLE_DEVICES"),
                 "torch_device": getattr(self, "_device", None), "pid": os.getpid(),
-                "socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
+                "socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+                "cpus": sorted(os.sched_getaffinity(0))}
 
 
 def rank_device(device: str) -> str:

@@ -74,3 +74,43 @@ def test_a_context_the_kv_pool_cannot_hold_exits_before_deploying(tiny_llama, ca
     code, _, err = refused(capsys, "--model", str(tiny_llama), "--port", "0", "--block-size", "4",
                            "--kv-blocks", "8", "--max-model-len", "64")
     assert code == 2 and "--max-model-len 64 does not fit" in err
+
+
+KEEP_OFF = """
+import json, os
+from cluster.app_config import ServeConfig
+from cluster.cli.serve import keep_off_rank_cores
+from workers.config import EngineConfig
+keep_off_rank_cores(ServeConfig(engine=EngineConfig(**{engine}), max_groups={groups}))
+print(json.dumps({{"cpus": sorted(os.sched_getaffinity(0)),
+                  "node": os.environ.get("TPSERVE_NODE_CPUS")}}))
+"""
+
+
+def keep_off(tmp_path, groups=1, **engine):
+    """`keep_off_rank_cores` in a child process (it pins the process that calls it)."""
+    import json
+    import os
+
+    env = {**os.environ, "TPSERVE_CORE_REGISTRY": str(tmp_path / "cores.json")}
+    env.pop("TPSERVE_NODE_CPUS", None)
+    proc = subprocess.run([sys.executable, "-c", KEEP_OFF.format(engine=engine, groups=groups)],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_local_ray_starts_on_the_cores_the_cpu_ranks_leave(tmp_path):
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("binding leaves a core free: needs two")
+    out = keep_off(tmp_path, device="cpu")
+    assert out["cpus"] == cpus[1:]  # the first core is the rank's to claim
+    assert out["node"] == ",".join(map(str, cpus))  # which the ranks claim from
+    # ranks that could not all claim a core, binding off, or CUDA: Ray keeps every core
+    for groups, engine in ((len(cpus), {"device": "cpu"}),
+                           (1, {"device": "cpu", "cpu_binding": "none"}),
+                           (1, {"device": "cuda"})):
+        assert keep_off(tmp_path, groups, **engine) == {"cpus": cpus, "node": None}

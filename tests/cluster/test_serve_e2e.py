@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -134,6 +135,11 @@ def test_group_ranks_share_one_node_by_default(client):
     ranks = handle.rank_info.remote().result()
     assert len(ranks) == 2 and ranks[0]["node"] == ranks[1]["node"]
     assert ranks[0]["pid"] != ranks[1]["pid"]
+    # CPU binding (parallel/cpu_binding.py): each rank claims the next core while one is left
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        assert ranks[0]["cpus"] == [cpus[0]]
+        assert ranks[1]["cpus"] == ([cpus[1]] if len(cpus) >= 3 else cpus)
 
 
 def test_health_reports_the_serving_groups_and_n_choices_on_a_tp2_group(client, expected):
