@@ -123,7 +123,8 @@ def bind_rank_cores(num_threads: int, reserve: int = RESERVED_CORES,
     path = registry or registry_path()
     try:
         with _Registry(path) as claims:
-            free = [core for core in cpus if core not in claims.taken()]
+            taken = claims.taken()
+            free = [core for core in cpus if core not in taken]
             if len(free) - num_threads < reserve:
                 logger.info("CPU binding: none for this rank: %d of the node's %d cores are "
                             "unclaimed; %d for its threads and %d for the rest are needed",
@@ -134,7 +135,13 @@ def bind_rank_cores(num_threads: int, reserve: int = RESERVED_CORES,
     except OSError as exc:
         logger.warning("CPU binding: none for this rank: the core registry %s: %s", path, exc)
         return None
-    pin_process(cores)
+    try:
+        pin_process(cores)
+    except OSError as exc:  # a core this process may not run on ($TPSERVE_NODE_CPUS)
+        logger.warning("CPU binding: none for this rank: cores %s: %s",
+                       format_cpu_list(cores), exc)
+        release_cores(path)
+        return None
     binding = CoreBinding(cores, tuple(free[num_threads:]))
     logger.info("CPU binding: this rank runs on core(s) %s; %s left to the rest",
                 format_cpu_list(binding.cores), format_cpu_list(binding.unclaimed))
@@ -157,7 +164,8 @@ def serving_cores(num_ranks: int, threads_per_rank: int = 1, reserve: int = RESE
         return None
     try:
         with _Registry(registry or registry_path()) as claims:
-            free = [core for core in cpus if core not in claims.taken()]
+            taken = claims.taken()
+            free = [core for core in cpus if core not in taken]
     except OSError as exc:
         logger.warning("CPU binding: the core registry: %s", exc)
         return None

@@ -96,8 +96,13 @@ def keep_off_rank_cores(config: ServeConfig) -> None:
                     "and one core for the rest need more than this node's %d",
                     engine.tp_size * config.max_groups, len(cpus))
         return
+    try:
+        pin_process(cores)
+    except OSError as exc:  # a core this process may not run on ($TPSERVE_NODE_CPUS)
+        logger.warning("CPU binding: Ray's processes stay on every core: cores %s: %s",
+                       format_cpu_list(cores), exc)
+        return
     os.environ[NODE_CPUS_ENV] = format_cpu_list(cpus)
-    pin_process(cores)
     logger.info("CPU binding: Ray's processes on core(s) %s, the ranks' cores claimed from %s",
                 format_cpu_list(cores), format_cpu_list(cpus))
 

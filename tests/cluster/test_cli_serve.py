@@ -87,13 +87,15 @@ print(json.dumps({{"cpus": sorted(os.sched_getaffinity(0)),
 """
 
 
-def keep_off(tmp_path, groups=1, **engine):
+def keep_off(tmp_path, groups=1, node_cpus=None, **engine):
     """`keep_off_rank_cores` in a child process (it pins the process that calls it)."""
     import json
     import os
 
     env = {**os.environ, "TPSERVE_CORE_REGISTRY": str(tmp_path / "cores.json")}
     env.pop("TPSERVE_NODE_CPUS", None)
+    if node_cpus is not None:
+        env["TPSERVE_NODE_CPUS"] = node_cpus
     proc = subprocess.run([sys.executable, "-c", KEEP_OFF.format(engine=engine, groups=groups)],
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -114,3 +116,6 @@ def test_the_local_ray_starts_on_the_cores_the_cpu_ranks_leave(tmp_path):
                            (1, {"device": "cpu", "cpu_binding": "none"}),
                            (1, {"device": "cuda"})):
         assert keep_off(tmp_path, groups, **engine) == {"cpus": cpus, "node": None}
+    absent = max(cpus) + 1000  # cores this process may not run on: a warning, Ray unpinned
+    assert keep_off(tmp_path, node_cpus=f"{absent}-{absent + 1}", device="cpu") == \
+        {"cpus": cpus, "node": f"{absent}-{absent + 1}"}

@@ -179,3 +179,11 @@ def test_a_node_shared_by_quota_binds_nothing(tmp_path, monkeypatch):
     assert binding.bind_rank_cores(1, registry=registry) is None  # before anything is pinned
     assert binding.serving_cores(1, registry=registry) is None
     assert sorted(os.sched_getaffinity(0)) == CPUS and not registry.exists()
+
+
+def test_a_core_this_process_may_not_run_on_binds_nothing_and_keeps_no_claim(tmp_path):
+    registry = tmp_path / "cores.json"
+    absent = max(CPUS) + 1000
+    out = run_child(BIND.format(threads=1), registry, node_cpus=f"{absent}-{absent + 1}")
+    assert out["cores"] is None and out["threads"] == [CPUS]
+    assert claims(registry) == []
