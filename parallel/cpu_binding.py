@@ -74,7 +74,7 @@ def parse_cpu_list(text: str) -> Tuple[int, ...]:
     cores = set()
     for entry in text.split(","):
         low, dash, high = entry.strip().partition("-")
-        if not low.isdigit() or (dash and not high.isdigit()):
+        if not low.isdigit() or (dash and (not high.isdigit() or int(high) < int(low))):
             raise ValueError(f"{NODE_CPUS_ENV}={text!r}: {entry!r} is not a core or a range "
                              "of cores (expected a list like '0-3,6')")
         cores.update(range(int(low), int(high or low) + 1))

@@ -143,7 +143,7 @@ def test_cpu_lists(text, cores):
     assert parse_cpu_list(text) == cores
 
 
-@pytest.mark.parametrize("text", ["", "a", "1-", "0,,1", "-2"])
+@pytest.mark.parametrize("text", ["", "a", "1-", "0,,1", "-2", "3-1"])
 def test_a_bad_cpu_list_names_the_variable_and_the_entry(text):
     with pytest.raises(ValueError, match="TPSERVE_NODE_CPUS"):
         parse_cpu_list(text)
