@@ -100,9 +100,8 @@ class PrefillKernel:
         status = self._attend(
             query[prefill.start].data_ptr(), query.stride(0), k_cache.data_ptr(),
             v_cache.data_ptr(), k_cache.shape[0], slots.data_ptr(), rows, prefill.num_prefix_keys,
-            num_heads,
-            k_cache.shape[1], head_dim, scale, out[prefill.start].data_ptr(), out.stride(0),
-            torch.get_num_threads())
+            num_heads, k_cache.shape[1], head_dim, scale, out[prefill.start].data_ptr(),
+            out.stride(0), torch.get_num_threads())
         if status == -3:
             raise ValueError(f"a prefill's key slots must lie in the cache's {k_cache.shape[0]}: "
                              f"got {slots.min().item()}..{slots.max().item()}")

@@ -12,8 +12,8 @@ that left the window are not gathered (nor read by the kernel) at all.
 
 Prefills: one call per sequence over its exact context (no padding), causal without a mask when
 nothing is cached before it. In bf16 on CPUs with AMX, prefills that no sliding window cuts (up
-to `cpu_prefill.MAX_KEYS` keys) run on the AMX kernel instead (``kv/attention/cpu_prefill.py``), which reads their keys and values
-where they lie in the cache. Cost per layer: ``H * query_len * K`` scores, ``K`` the keys its
+to `cpu_prefill.MAX_KEYS` keys) run on the AMX kernel instead (``kv/attention/cpu_prefill.py``),
+which reads their keys and values where they lie in the cache. Cost per layer: ``H * query_len * K`` scores, ``K`` the keys its
 queries may see (the context, or the window plus the chunk). On CPU a long chunk after a cached
 prefix (no window) is two flash calls instead of one masked one, the prefix unmasked and the
 chunk causal, merged by log-sum-exp: ``H * q * (prefix + q / 2)`` scores. Grouped-query
