@@ -24,6 +24,12 @@ if "TPSERVE_CORE_REGISTRY" not in os.environ:
     os.environ["TPSERVE_CORE_REGISTRY"] = _registry.name
     atexit.register(lambda: os.path.exists(_registry.name) and os.unlink(_registry.name))
 
+# Every Serve app the tests start runs on the transport `tpserve serve` and the image give it
+# (cluster/cli/serve.py), set before any Ray starts so its Serve processes inherit it.
+from cluster.cli.serve import use_serve_transport  # noqa: E402
+
+use_serve_transport()
+
 import pytest  # noqa: E402
 
 from tiny_models import build_checkpoint  # noqa: E402

@@ -16,6 +16,21 @@ from cluster.options import add_engine_arguments, add_serve_arguments, engine_co
 
 logger = logging.getLogger(__name__)
 
+# Serve's by-value transport: requests and streamed chunks go over gRPC between Serve's proxy and
+# the replicas and between replicas, not through Ray's object store (a part of what Ray's
+# throughput-optimized mode turns on). Read by each Serve process as it starts, so it is set on
+# every node: here for the local Ray `tpserve serve` starts, in the image (deploy/docker) and in
+# the `ray start` commands of deploy/ray for a cluster.
+SERVE_TRANSPORT_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+
+
+def use_serve_transport() -> None:
+    """`SERVE_TRANSPORT_ENV` in this process's environment, so the local Ray it starts inherits
+    it; a value the user set (``RAY_SERVE_USE_GRPC_BY_DEFAULT=0``: the object store) is kept."""
+    for name, value in SERVE_TRANSPORT_ENV.items():
+        os.environ.setdefault(name, value)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="serve a model with an OpenAI-compatible API")
     add_engine_arguments(parser)
@@ -50,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         ray.init(address=args.address)
     else:
         keep_off_rank_cores(plan.config)  # before Ray starts: its processes inherit the cores
+        use_serve_transport()  # and the environment
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
     try:
         serve.start(http_options={"host": plan.host, "port": plan.port},

@@ -119,3 +119,17 @@ def test_the_local_ray_starts_on_the_cores_the_cpu_ranks_leave(tmp_path):
     absent = max(cpus) + 1000  # cores this process may not run on: a warning, Ray unpinned
     assert keep_off(tmp_path, node_cpus=f"{absent}-{absent + 1}", device="cpu") == \
         {"cpus": cpus, "node": f"{absent}-{absent + 1}"}
+
+
+def test_the_local_ray_gets_serves_transport_unless_the_user_set_it(monkeypatch):
+    import os
+
+    from cluster.cli.serve import SERVE_TRANSPORT_ENV, use_serve_transport
+
+    assert SERVE_TRANSPORT_ENV == {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+    monkeypatch.delenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", raising=False)
+    use_serve_transport()
+    assert os.environ["RAY_SERVE_USE_GRPC_BY_DEFAULT"] == "1"
+    monkeypatch.setenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", "0")  # the object store, the user's
+    use_serve_transport()
+    assert os.environ["RAY_SERVE_USE_GRPC_BY_DEFAULT"] == "0"

@@ -221,6 +221,14 @@ def test_the_image_runs_as_uid_1000_with_its_home_in_the_environment():
     assert "HOME=/home/ray" in env.split(), "Ray's launcher reads HOME from the image's ENV"
 
 
+def test_every_node_of_the_image_runs_serves_transport_as_tpserve_serve_does():
+    from cluster.cli.serve import SERVE_TRANSPORT_ENV
+
+    env = " ".join(i.args for i in final_stage() if i.keyword == "ENV").split()
+    for name, value in SERVE_TRANSPORT_ENV.items():
+        assert f"{name}={value}" in env, name
+
+
 def test_ray_launcher_and_kuberay_can_start_it():
     """No ENTRYPOINT (Ray's launcher appends `bash` to `docker run`), the tools they run inside
     it, and the ports."""

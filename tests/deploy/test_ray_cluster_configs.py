@@ -155,6 +155,19 @@ def test_aws_nodes_boot_a_current_deep_learning_base_ami():
     assert image == ssm or re.fullmatch(r"ami-[0-9a-f]{8,17}", image), image
 
 
+def test_local_cluster_nodes_start_ray_with_serves_transport():
+    """The on-prem hosts run no image: each `ray start` exports what the image's ENV sets."""
+    from cluster.cli.serve import SERVE_TRANSPORT_ENV
+
+    config = load("cluster-local.yaml")
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        [start] = [cmd for cmd in config[key] if "ray start" in cmd]
+        exports = re.match(r"export ([^;]*);", start)
+        assert exports, f"{key}: {start}"
+        for name, value in SERVE_TRANSPORT_ENV.items():
+            assert f"{name}={value}" in exports.group(1).split(), key
+
+
 def test_local_cluster_lists_its_hosts_and_keeps_them_all():
     config = load("cluster-local.yaml")
     provider = config["provider"]
