@@ -11,7 +11,7 @@ The results are fp32 (no reduced-precision math) but summed in another order tha
 bitwise equal to ``F.linear``: within about 1e-4 absolute for unit-scale inputs at K = 576.
 
 oneDNN builds (JIT-compiles) a kernel for each row count it meets, the first time: up to a few ms a
-shape. So a call's rows are padded with zero rows up to a bucket (`padded_rows`: exact up to 32,
+shape. So a call's rows are padded up to a bucket (`padded_rows`: exact up to 32,
 then 8 buckets per doubling, under 1/8 padding), which bounds the kernels a server builds, and
 `warm_up_linears` builds those of every decode batch size when a rank starts.
 
@@ -23,6 +23,7 @@ offers ``pack_weights``; set ``TPSERVE_ONEDNN_LINEAR=0`` to keep torch's default
 from __future__ import annotations
 
 import os
+import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -53,6 +54,23 @@ def can_pack(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+_thread_buffers = threading.local()
+
+
+def _pad_buffer(rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[rows, columns]`` of ``dtype`` from a buffer of the calling thread, kept between calls
+    (so a padded call copies its rows once instead of allocating and concatenating). Its rows
+    hold whatever earlier calls left: a product's rows are independent, so rows past a call's
+    own change nothing but their dropped outputs."""
+    buffers = getattr(_thread_buffers, "by_shape", None)
+    if buffers is None:
+        buffers = _thread_buffers.by_shape = {}
+    buffer = buffers.get((columns, dtype))
+    if buffer is None or buffer.shape[0] < rows:
+        buffer = buffers[(columns, dtype)] = torch.zeros(rows, columns, dtype=dtype)
+    return buffer[:rows]
+
+
 class PackedWeight:
     """``weight`` ``[out, in]`` reordered for oneDNN; ``linear(x, bias)`` is ``F.linear``'s
     result for ``x`` ``[T, in]``. Costs a second copy of the weight in memory."""
@@ -62,16 +80,21 @@ class PackedWeight:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)  # [T, in]
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [T, in]
         num_rows = rows.shape[0]
         if num_rows == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
         padded = padded_rows(num_rows)
-        if padded != num_rows:  # zero rows below, their outputs dropped
-            rows = torch.cat([rows, rows.new_zeros(padded - num_rows, self.in_features)])
-        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, bias, "none",
-                                                 [], "")  # [padded, out]
-        return out[:num_rows].view(*x.shape[:-1], self.out_features)
+        if padded != num_rows:  # rows below from this thread's buffer, their outputs dropped
+            buffer = _pad_buffer(padded, self.in_features, rows.dtype)
+            buffer[:num_rows].copy_(rows)
+            rows = buffer
+        elif not rows.is_contiguous():
+            rows = rows.contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
+        if padded != num_rows:
+            out = out[:num_rows]
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def warm_up(self, max_rows: int, dtype: torch.dtype) -> int:
         """Runs once at each bucket of `padded_rows` up to ``max_rows`` rows of ``dtype``, so

@@ -26,6 +26,27 @@ def test_packed_weight_matches_f_linear(num_rows):
     assert batched.shape == (1, num_rows, 40) and batched.is_contiguous()
 
 
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_calls_owe_nothing_to_the_rows_an_earlier_call_left(dtype):
+    """A padded call's extra rows come from a buffer the thread reuses: rows a bigger call left
+    there (NaN here) change neither its result nor an earlier call's."""
+    torch.manual_seed(0)
+    w = torch.randn(40, 96).to(dtype)
+    packed = PackedWeight(w)
+    packed.linear(torch.full((300, 96), float("nan"), dtype=dtype))  # fills the buffer
+    x = torch.randn(33, 96).to(dtype)  # padded to 36 rows: 3 of them the NaN ones
+    first = packed.linear(x)
+    assert not first.isnan().any()
+    torch.testing.assert_close(first, F.linear(x, w), rtol=2e-2 if dtype == torch.bfloat16
+                               else 1e-5, atol=1e-1 if dtype == torch.bfloat16 else 1e-4)
+    packed.linear(torch.randn(37, 96).to(dtype))  # the same buffer again
+    assert torch.equal(first, packed.linear(x))
+    strided = torch.randn(96, 33).to(dtype).t()  # not contiguous, padded
+    torch.testing.assert_close(packed.linear(strided), packed.linear(strided.contiguous()),
+                               rtol=0, atol=0)
+
+
 def test_row_buckets_are_few_and_pad_less_than_an_eighth():
     assert [padded_rows(n) for n in (1, 31, 32, 33, 36, 37, 64, 65, 300, 2048)] == \
         [1, 31, 32, 36, 36, 40, 64, 72, 320, 2048]
