@@ -228,6 +228,11 @@ AVX512_INLINE void accumulate_values(const Inputs *in, const int64_t *at, int n,
         _mm512_storeu_ps(acc + (g0 + g) * D + 16 * c, sums[g * chunks + c]);
 }
 
+/* Query heads whose softmax steps attend16 interleaves: each head's steps are a chain (scores,
+ * maximum, exponentials, sum), and the chains of SOFTMAX_BATCH heads side by side keep the core
+ * busy where one head's would wait on its own latencies. Each head's arithmetic is unchanged. */
+#define SOFTMAX_BATCH 4
+
 /* Every query head's online softmax over n <= 16 seen keys (rows: their slot row offsets,
  * padded to 16 with the first), acc [H, D], m [H], l [H] updated in place. */
 AVX512_INLINE void attend16(const Inputs *in, const float *q, const int64_t *rows, int n,
@@ -238,21 +243,30 @@ AVX512_INLINE void attend16(const Inputs *in, const float *q, const int64_t *row
     int64_t at[KEYS];
     for (int j = 0; j < KEYS; j++) at[j] = rows[j] + h * D;
     float p[MAX_HEADS][KEYS];
-    for (int64_t g = 0; g < G; g++) {
-      const int64_t head = h * G + g;
-      __m512 s = scores16(in, q + head * D, at, D);
-      s = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-FLT_MAX), s);
-      const float top = fmaxf(m[head], _mm512_reduce_max_ps(s));
-      const __m512 e = _mm512_maskz_mov_ps(seen, v_exp(_mm512_sub_ps(s, _mm512_set1_ps(top))));
-      _mm512_storeu_ps(p[g], e);
-      const float rescale = expf(m[head] - top); /* 0 for the first keys */
-      l[head] = l[head] * rescale + _mm512_reduce_add_ps(e);
-      m[head] = top;
-      if (rescale != 1.f)
-        for (int c = 0; c < D / 16; c++)
-          _mm512_storeu_ps(acc + head * D + 16 * c,
-                           _mm512_mul_ps(_mm512_loadu_ps(acc + head * D + 16 * c),
-                                         _mm512_set1_ps(rescale)));
+    for (int64_t g0 = 0; g0 < G; g0 += SOFTMAX_BATCH) {
+      const int heads = G - g0 < SOFTMAX_BATCH ? (int)(G - g0) : SOFTMAX_BATCH;
+      const int64_t first = h * G + g0;
+      __m512 s[SOFTMAX_BATCH];
+      float top[SOFTMAX_BATCH];
+      for (int g = 0; g < heads; g++)
+        s[g] = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-FLT_MAX),
+                                    scores16(in, q + (first + g) * D, at, D));
+      for (int g = 0; g < heads; g++) top[g] = fmaxf(m[first + g], _mm512_reduce_max_ps(s[g]));
+      for (int g = 0; g < heads; g++) {
+        const int64_t head = first + g;
+        const __m512 e =
+            _mm512_maskz_mov_ps(seen, v_exp(_mm512_sub_ps(s[g], _mm512_set1_ps(top[g]))));
+        _mm512_storeu_ps(p[g0 + g], e);
+        /* 0 for the first keys; exactly 1 (expf(0)) while the maximum stays */
+        const float rescale = top[g] == m[head] ? 1.f : expf(m[head] - top[g]);
+        l[head] = l[head] * rescale + _mm512_reduce_add_ps(e);
+        m[head] = top[g];
+        if (rescale != 1.f)
+          for (int c = 0; c < D / 16; c++)
+            _mm512_storeu_ps(acc + head * D + 16 * c,
+                             _mm512_mul_ps(_mm512_loadu_ps(acc + head * D + 16 * c),
+                                           _mm512_set1_ps(rescale)));
+      }
     }
     for (int64_t g0 = 0; g0 < G; g0 += ACC_REGS / (D / 16))
       accumulate_values(in, at, n, p, g0, G, acc + h * G * D, D);
