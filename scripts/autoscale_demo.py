@@ -87,9 +87,11 @@ def run(args: argparse.Namespace) -> dict:
     from ray import serve
 
     from cluster.app import ServeConfig, build_app
+    from cluster.cli.serve import use_serve_transport
     from cluster.ports import free_port
     from workers.config import EngineConfig
 
+    use_serve_transport()  # the transport `tpserve serve` gives its local Ray
     ray.init(address="local", num_cpus=args.num_cpus, _node_ip_address="127.0.0.1",
              include_dashboard=False, log_to_driver=False)
     port = free_port()

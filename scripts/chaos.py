@@ -1,9 +1,10 @@
 """Chaos under load: no request lost while ranks die, hang, and the endpoint is flooded.
 
-    .venv/bin/python -m scripts.chaos [--model default] [--tp 3] [--groups 2]
+    .venv/bin/python -m scripts.chaos [--model default] [--tp 3] [--groups 2] [--dtype float32]
 
 Starts a local Ray and tpserve's Serve application (``cluster.app.build_app``, the code of
-``tpserve serve --groups 2 --tp 3``; the default model, SmolLM2-135M, has 9 attention heads), takes
+``tpserve serve --groups 2 --tp 3 --dtype float32``; the default model, SmolLM2-135M, has 9
+attention heads; fp32, in which a greedy output does not depend on the batch it ran in), takes
 each prompt's greedy reference from the idle server, then drives steady streaming load with the
 ``openai`` client (``--clients`` loops of greedy requests over the same prompts) and meanwhile:
 
@@ -67,13 +68,15 @@ def start_app(args: argparse.Namespace, port: int) -> None:
     from ray import serve
 
     from cluster.app import ServeConfig, build_app
+    from cluster.cli.serve import use_serve_transport
     from workers.config import EngineConfig
 
+    use_serve_transport()  # the transport `tpserve serve` gives its local Ray
     # Logical CPUs beyond the cores: a replacement group starts while the failed one stops.
     ray.init(address="local", num_cpus=args.num_cpus, _node_ip_address="127.0.0.1",
              include_dashboard=False, logging_level="ERROR")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    engine = EngineConfig(model=args.model, tp_size=args.tp, block_size=16,
+    engine = EngineConfig(model=args.model, tp_size=args.tp, block_size=16, dtype=args.dtype,
                           num_kv_blocks=args.kv_blocks, step_timeout_s=args.step_timeout_s)
     # Queues sized for a small CPU host, so that the flood goes past them (429) rather than
     # waiting minutes in them; the defaults follow the KV pool (hundreds of requests a group).
@@ -286,6 +289,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
     p.add_argument("--tp", type=int, default=3)
+    # Outputs are checked token for token against the idle server's, which holds in fp32; in
+    # bf16 a greedy pick at a near tie follows the batch it ran in.
+    p.add_argument("--dtype", default="float32", help="the engine's dtype (default float32)")
     p.add_argument("--groups", type=int, default=2)
     p.add_argument("--kv-blocks", type=int, default=256, help="KV blocks per rank")
     p.add_argument("--step-timeout-s", type=float, default=10.0)

@@ -44,8 +44,10 @@ def local_serve(num_cpus: int) -> Iterator[int]:
     import ray
     from ray import serve
 
+    from cluster.cli.serve import use_serve_transport
     from cluster.metrics import kill_metrics_store
 
+    use_serve_transport()  # the transport `tpserve serve` gives its local Ray
     ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1",
              include_dashboard=False, log_to_driver=False)
     try:
