@@ -11,9 +11,9 @@ The results are fp32 (no reduced-precision math) but summed in another order tha
 bitwise equal to ``F.linear``: within about 1e-4 absolute for unit-scale inputs at K = 576.
 
 oneDNN builds (JIT-compiles) a kernel for each row count it meets, the first time: up to a few ms a
-shape. So a call's rows are padded up to a bucket (`padded_rows`: exact up to 32,
-then 8 buckets per doubling, under 1/8 padding), which bounds the kernels a server builds, and
-`warm_up_linears` builds those of every decode batch size when a rank starts.
+shape. So a call's rows are padded up to a bucket (`padded_rows`: exact up to 32, then 8 buckets
+per doubling, under 1/8 padding), which bounds the kernels a server builds, and `warm_up_linears`
+builds those of every decode batch size when a rank starts.
 
 Layers keep their dense ``weight`` (the loader writes it, tests and tied heads read it) and call
 ``PackedWeight`` when they hold one. ``pack_linear_weights`` packs every layer of a model that
