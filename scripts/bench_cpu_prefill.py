@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Time bf16 prefill attention on CPU, the AMX kernel (``kv/attention/cpu_prefill.py``) against
+"""Time bf16 prefill attention on CPU, tpserve's kernel (``kv/attention/cpu_prefill.py``) against
 the SDPA path it replaces (``kv.attention.torch_paged._attend_prefill``: K/V gathered, then
 torch's CPU flash kernel), in this process.
 
@@ -12,7 +12,8 @@ KV heads of 64), at each ``--threads``: microseconds per layer call (median of `
 timings of 20 calls) for both paths, their ratio, and the largest difference of each from fp32
 SDPA. ``--engine``: bench_vs_vllm's engine and prefill-heavy workload, the kernel on and off in
 alternating rounds in one engine: output tok/s per arm and the ratio. The last line is JSON.
-Needs a CPU with AMX (exit 2 otherwise).
+Needs a CPU with AMX or AVX-512 BF16 (exit 2 otherwise); the kernel's products run on the first
+it has.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def engine_ab(args: argparse.Namespace) -> Dict[str, object]:
     engine = llm.engine
     workload = build_workloads(read_azure(options.trace, options.num_requests), options,
                                engine.max_model_len, engine.model_config.vocab_size)[0]
-    kernel_arm = torch_paged._amx_prefill
+    kernel_arm = torch_paged._prefill_kernel
     arms = {"kernel": kernel_arm, "sdpa": lambda *tensors: None}
     rates: Dict[str, List[float]] = {name: [] for name in arms}
     try:
@@ -115,13 +116,13 @@ def engine_ab(args: argparse.Namespace) -> Dict[str, object]:
         for round_index in range(args.rounds):
             order = list(arms) if round_index % 2 == 0 else list(arms)[::-1]
             for name in order:
-                torch_paged._amx_prefill = arms[name]
+                torch_paged._prefill_kernel = arms[name]
                 result, _ = run_tpserve(llm, workload)
                 rates[name].append(result.num_output_tokens / result.wall_s)
                 print(f"  round {round_index + 1} {name:<6} {rates[name][-1]:7.1f} tok/s",
                       flush=True)
     finally:
-        torch_paged._amx_prefill = kernel_arm
+        torch_paged._prefill_kernel = kernel_arm
         llm.shutdown()
     medians = {name: statistics.median(values) for name, values in rates.items()}
     return {"workload": workload.name, "kernel_tok_s": medians["kernel"],
@@ -132,8 +133,8 @@ def engine_ab(args: argparse.Namespace) -> Dict[str, object]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if prefill_kernel() is None:
-        print("error: the AMX prefill kernel does not run here: it needs a CPU with amx_bf16 and "
-              "amx_tile, and TPSERVE_CPU_KERNELS not 0", file=sys.stderr)
+        print("error: the CPU prefill kernel does not run here: it needs a CPU with AMX (amx_bf16 "
+              "and amx_tile) or avx512_bf16, and TPSERVE_CPU_KERNELS not 0", file=sys.stderr)
         return 2
     if args.engine:
         result = engine_ab(args)
@@ -151,8 +152,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{length:>6} {threads:>7} {case['kernel_us']:>10.1f} {case['sdpa_us']:>9.1f} "
                   f"{case['sdpa_over_kernel']:>10.2f}x {case['kernel_max_error']:>10.2e} "
                   f"{case['sdpa_max_error']:>9.2e}", flush=True)
-    print(json.dumps({"prefix": args.prefix, "heads": args.heads, "kv_heads": args.kv_heads,
-                      "head_dim": args.head_dim, "cases": cases}))
+    print(json.dumps({"products": prefill_kernel().products, "prefix": args.prefix,
+                      "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                      "cases": cases}))
     return 0
 
 

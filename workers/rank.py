@@ -143,7 +143,7 @@ def _cpu_dtype(name: str, bf16_supported: Optional[bool]) -> torch.dtype:
                        "(--dtype auto picks float32 here)")
     elif dtype is torch.bfloat16:
         logger.info("dtype bfloat16 on CPU (%s; bf16 instructions: %s): linears on oneDNN's bf16 "
-                    "kernels, prefills on the AMX kernel where the CPU has tiles (else torch's flash "
+                    "kernels, prefills on tpserve's bf16 kernel where it loads (else torch's flash "
                     "kernel), decodes on the C kernel where it loads",
                     "auto" if name == "auto" else "asked", where)
     return dtype

@@ -1,11 +1,12 @@
-"""Prefill attention on CPU in bf16 on AMX tiles: a C kernel (``kv/attention/csrc/prefill_amx.c``)
-called through ctypes.
+"""Prefill attention on CPU in bf16: a C kernel (``kv/attention/csrc/prefill_bf16.c``) called
+through ctypes, its products on AMX tiles where the CPU has them, else on AVX-512 BF16 dot
+products.
 
 Why: torch's CPU flash kernel, which SDPA calls, multiplies a prompt's queries and keys in small
-blocks through its generic GEMM; AMX's tiles do those products many times faster, so on CPUs with
-AMX the kernel takes a prompt's attention in about half of flash's time
-(docs/benchmarks/cpu-bf16.md). It also reads each key and value row where it lies in the paged
-cache, where the PyTorch path gathers them first.
+blocks through its generic GEMM; AMX's tiles, or AVX-512 BF16's dot products over operands packed
+once per call, do those products several times faster (docs/benchmarks/cpu-bf16.md). The kernel
+also reads each key and value row where it lies in the paged cache, where the PyTorch path
+gathers them first.
 
 What it computes: a sequence's chunk of new queries over the keys its queries see, causal, after
 any cached prefix every query sees (`PrefillSlice.num_prefix_keys`); scores and softmax in fp32,
@@ -13,11 +14,11 @@ the probabilities rounded to bf16 for their product with the values (as flash's 
 each output rounded to bf16 once. Within bf16 rounding of SDPA, not bitwise equal to it.
 
 When it runs: the ``torch`` attention backend's prefills in bf16 on CPUs with AMX (``amx_bf16``
-and ``amx_tile``), head dims 64 and 128, caches ``[slots, Hkv, D]`` contiguous, where no sliding
-window cuts the keys. Anything else takes SDPA. The library is compiled at first use (``$CC``,
-``-march=native``), cached under tpserve's cache root (`kv.native_build`), and checked against
-SDPA on small inputs before use; where that fails, or ``TPSERVE_CPU_KERNELS=0``, a log line says
-so and SDPA runs.
+and ``amx_tile``) or AVX-512 BF16 (``avx512_bf16``), head dims 64 and 128, caches ``[slots, Hkv,
+D]`` contiguous, where no sliding window cuts the keys. Anything else takes SDPA. The library is
+compiled at first use (``$CC``, ``-march=native``), cached under tpserve's cache root
+(`kv.native_build`), and checked against SDPA on small inputs before use; where that fails, or
+``TPSERVE_CPU_KERNELS=0``, a log line says so and SDPA runs.
 """
 
 from __future__ import annotations
@@ -37,12 +38,15 @@ from kv.native_build import KernelBuildError, build_shared
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "prefill_amx.c"
+SOURCE = Path(__file__).with_name("csrc") / "prefill_bf16.c"
 HEADER = SOURCE.with_name("bf16_avx512.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 SWITCH_ENV = "TPSERVE_CPU_KERNELS"
-HEAD_DIMS = (64, 128)  # what the kernel takes (its query block stays in four tiles)
+HEAD_DIMS = (64, 128)  # what the kernel takes (on AMX its query block stays in four tiles)
+# What the products run on (`parallel.cpu_capability.bf16_path`'s names); "avx512_bf16" can be
+# built on a CPU with AMX too (TPSERVE_PREFILL_AVX512), which the tests use to check both.
+PRODUCTS = ("amx", "avx512_bf16")
 # The most keys a prefill may see on the kernel: it packs every key and value of the call at once
 # (2 * Hkv * keys * D bf16: 32 MiB for 8 KV heads of 128 at this bound, plus 16 * keys fp32
 # scores a thread). Past it SDPA runs, whose tiles keep its memory flat.
@@ -53,12 +57,14 @@ _I = ctypes.c_int64
 
 
 class PrefillKernel:
-    """The loaded library, with the process's AMX state granted."""
+    """The loaded library, set up for this process (on AMX: the tile state granted)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        status = lib.tpserve_amx_request()
+        lib.tpserve_prefill_products.restype = ctypes.c_char_p
+        self.products = lib.tpserve_prefill_products().decode()
+        status = lib.tpserve_prefill_setup()
         if status != 0:
             raise KernelBuildError(f"Linux refused this process the AMX tile state "
                                    f"(arch_prctl ARCH_REQ_XCOMP_PERM returned {status})")
@@ -69,8 +75,8 @@ class PrefillKernel:
 
     @staticmethod
     def accepts(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        """Whether the kernel takes this step's prefills: bf16 on CPU, a head dim it has tiles
-        for, rows of contiguous heads and contiguous caches."""
+        """Whether the kernel takes this step's prefills: bf16 on CPU, a head dim it takes, rows
+        of contiguous heads and contiguous caches."""
         head_dim = query.shape[-1]
         return (query.device.type == "cpu" and query.dtype == torch.bfloat16
                 and k_cache.dtype == v_cache.dtype == torch.bfloat16 and head_dim in HEAD_DIMS
@@ -113,25 +119,41 @@ class PrefillKernel:
                              f"{HEAD_DIMS}")
 
 
+def build_kernel(products: str) -> PrefillKernel:
+    """The kernel with its products on ``products`` (of `PRODUCTS`), built (or found built) for
+    this CPU, loaded and checked against SDPA. Raises `KernelBuildError` (or `OSError`) where
+    it cannot be."""
+    if products not in PRODUCTS:
+        raise ValueError(f"products must be one of {PRODUCTS}, got {products!r}")
+    flags = COMPILE_FLAGS + (("-DTPSERVE_PREFILL_AVX512",) if products == "avx512_bf16" else ())
+    kernel = PrefillKernel(build_shared(SOURCE, flags, LINK_FLAGS, headers=(HEADER,)))
+    if kernel.products != products:
+        raise KernelBuildError(f"{kernel.path} was built for {kernel.products}, not {products}")
+    check(kernel)
+    return kernel
+
+
 @functools.lru_cache(maxsize=None)
 def prefill_kernel() -> Optional[PrefillKernel]:
-    """This process's kernel, built or loaded once; None where it cannot run (logged once)."""
+    """This process's kernel, built or loaded once, its products on what the CPU has (AMX, else
+    AVX-512 BF16); None where it cannot run (logged once)."""
     from parallel.cpu_capability import cpu_bf16_support
 
     if os.environ.get(SWITCH_ENV, "1").lower() in ("0", "false", "off", "no"):
         logger.info("CPU prefill attention: %s=0, SDPA runs", SWITCH_ENV)
         return None
-    if cpu_bf16_support().path != "amx":
-        logger.info("CPU prefill attention: no AMX on this CPU, bf16 prefills run on SDPA")
+    products = cpu_bf16_support().path
+    if products not in PRODUCTS:
+        logger.info("CPU prefill attention: no AMX or AVX-512 BF16 on this CPU, bf16 prefills "
+                    "run on SDPA")
         return None
     try:
-        kernel = PrefillKernel(build_shared(SOURCE, COMPILE_FLAGS, LINK_FLAGS, headers=(HEADER,)))
-        check(kernel)
+        kernel = build_kernel(products)
     except (KernelBuildError, OSError) as exc:
-        logger.warning("CPU prefill attention: the AMX kernel is not used, SDPA runs (slower): "
-                       "%s", exc)
+        logger.warning("CPU prefill attention: the %s kernel is not used, SDPA runs (slower): "
+                       "%s", products, exc)
         return None
-    logger.info("CPU prefill attention: AMX kernel %s", kernel.path)
+    logger.info("CPU prefill attention: %s kernel %s", products, kernel.path)
     return kernel
 
 

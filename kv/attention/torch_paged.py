@@ -11,14 +11,14 @@ head is read once for its whole group. Cost per layer: a gather of ``B * K`` K a
 that left the window are not gathered (nor read by the kernel) at all.
 
 Prefills: one call per sequence over its exact context (no padding), causal without a mask when
-nothing is cached before it. In bf16 on CPUs with AMX, prefills that no sliding window cuts (up
-to `cpu_prefill.MAX_KEYS` keys) run on the AMX kernel instead (``kv/attention/cpu_prefill.py``),
-which reads their keys and values where they lie in the cache. Cost per layer: ``H * query_len * K`` scores, ``K`` the keys its
-queries may see (the context, or the window plus the chunk). On CPU a long chunk after a cached
-prefix (no window) is two flash calls instead of one masked one, the prefix unmasked and the
-chunk causal, merged by log-sum-exp: ``H * q * (prefix + q / 2)`` scores. Grouped-query
-prefills read each K/V head where it lies for its group of query heads where the fused kernel
-takes that (``gqa_in_place``: on CPU from torch 2.9, on CUDA FlashAttention's 16-bit unmasked
+nothing is cached before it. In bf16 on CPUs with AMX or AVX-512 BF16, prefills that no sliding
+window cuts (up to `cpu_prefill.MAX_KEYS` keys) run on tpserve's kernel instead
+(``kv/attention/cpu_prefill.py``), which reads their keys and values where they lie in the cache.
+Cost per layer: ``H * query_len * K`` scores, ``K`` the keys its queries may see (the context, or
+the window plus the chunk). On CPU a long chunk after a cached prefix (no window) is two flash
+calls instead of one masked one, the prefix unmasked and the chunk causal, merged by log-sum-exp:
+``H * q * (prefix + q / 2)`` scores. Grouped-query prefills read each K/V head where it lies for
+its group of query heads where the fused kernel takes that (``gqa_in_place``: on CPU from torch 2.9, on CUDA FlashAttention's 16-bit unmasked
 calls); elsewhere K/V are repeated per query head.
 """
 
@@ -83,18 +83,19 @@ def paged_attention(
             # One zero row at index T so padded query indices gather something harmless.
             padded_query = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
         out[bucket.token_index] = _attend_bucket(padded_query, k_cache, v_cache, bucket, scale)
-    amx = _amx_prefill(query, k_cache, v_cache) if metadata.prefills else None
+    kernel = _prefill_kernel(query, k_cache, v_cache) if metadata.prefills else None
     for prefill in metadata.prefills:
-        if amx is not None and amx.takes(prefill):
-            amx.attend(query, k_cache, v_cache, prefill, scale, out)
+        if kernel is not None and kernel.takes(prefill):
+            kernel.attend(query, k_cache, v_cache, prefill, scale, out)
             continue
         out[prefill.start:prefill.end] = _attend_prefill(query, k_cache, v_cache, prefill, scale)
     return out
 
 
-def _amx_prefill(query: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> Optional[PrefillKernel]:
-    """The AMX prefill kernel where it takes this step's tensors (bf16 on a CPU with AMX)."""
+def _prefill_kernel(query: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor) -> Optional[PrefillKernel]:
+    """The CPU prefill kernel where it takes this step's tensors (bf16 on a CPU with AMX or
+    AVX-512 BF16)."""
     if not PrefillKernel.accepts(query, k_cache, v_cache):
         return None
     return prefill_kernel()

@@ -1,29 +1,33 @@
-/* Causal prefill attention of one sequence in bf16 on AMX tiles (Intel Sapphire Rapids on),
- * reading its keys and values where they lie in the paged cache.
+/* Causal prefill attention of one sequence in bf16, reading its keys and values where they lie in
+ * the paged cache. Its two products run on AMX tiles (Intel Sapphire Rapids on) where the build's
+ * target has them, else on AVX-512 BF16 dot products (Intel Cooper Lake, AMD Zen 4 on); defining
+ * TPSERVE_PREFILL_AVX512 picks the latter on any target that has them. Both read the same packed
+ * operands and sum in fp32.
  *
  * The chunk's num_q query rows follow num_prefix cached keys that all of them see; query row r
  * sees keys 0 .. num_prefix + r (its own key last). Steps:
- *   1. Each KV head's keys and values are packed once per call into the layout AMX takes as its
- *      second operand (pairs of bf16 along the summed dimension), zero-padded to CHUNK keys.
+ *   1. Each KV head's keys and values are packed once per call into the layout both products take
+ *      as their second operand (pairs of bf16 along the summed dimension), zero-padded to CHUNK
+ *      keys.
  *   2. Per query head and ROWS query rows (one task; tasks go to threads a KV head at a time,
  *      longest first):
- *      scores = q . k on tiles (bf16 products, fp32 sums), only up to the block's last visible
- *      key; then per row, in fp32: scaled, less the maximum over its visible keys, exp'd (v_exp,
- *      within 2 ulp of expf), summed in fp32 and rounded to bf16 as the
- *      probabilities (as torch's CPU flash kernel rounds them for its second product); masked
- *      keys get 0.
- *   3. out = probabilities . v on tiles (fp32 sums), divided by the row's sum in fp32 and rounded
- *      to bf16 once.
+ *      scores = q . k (bf16 products, fp32 sums), only up to the block's last visible key; then
+ *      per row, in fp32: scaled, less the maximum over its visible keys, exp'd (v_exp, within 2
+ *      ulp of expf), summed in fp32 and rounded to bf16 as the probabilities (as torch's CPU
+ *      flash kernel rounds them for its second product); masked keys get 0.
+ *   3. out = probabilities . v (fp32 sums), divided by the row's sum in fp32 and rounded to bf16
+ *      once.
  * The results are fp32 sums in another order than torch's flash kernel: within bf16 rounding of
  * it, not bitwise equal.
  *
- * Head dims 64 and 128 (the query block stays in tiles 4-7). Returns 0, -1 for a head dim it does
- * not take, -2 when its scratch memory could not be allocated, -3 for a key's slot outside [0,
- * num_slots) (nothing read there, out not written). The process must have asked the
- * kernel for AMX state (tpserve_amx_request, once) before the first call.
+ * Head dims 64 and 128. Returns 0, -1 for a head dim it does not take, -2 when its scratch memory
+ * could not be allocated, -3 for a key's slot outside [0, num_slots) (nothing read there, out not
+ * written). The process must have called tpserve_prefill_setup (once, 0 returned) before the
+ * first call: on AMX it asks Linux for the tile state.
  *
  * Called through ctypes by kv/attention/cpu_prefill.py, which compiles it at first use on CPUs
- * with AMX (-O3 -march=native -fopenmp -ffp-contract=off) and checks it against PyTorch's SDPA.
+ * with AMX or AVX-512 BF16 (-O3 -march=native -fopenmp -ffp-contract=off) and checks it against
+ * PyTorch's SDPA.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -35,33 +39,17 @@
 
 #include "bf16_avx512.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-#define ROWS 16  /* query rows per task, and keys per score tile */
+#define ROWS 16  /* query rows per task, and keys per block of scores */
 #define CHUNK 32 /* keys per probabilities . v step (bf16 pairs of a tile row) */
 #define MAX_HEAD_DIM 128
 
-typedef struct {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} TileConfig;
-
-/* Asks Linux for the AMX tile state for this process: 0 on success. */
-int tpserve_amx_request(void) {
-  return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
-}
-
-static void configure_tiles(void) { /* every tile 16 rows of 64 bytes */
-  TileConfig config;
-  memset(&config, 0, sizeof config);
-  config.palette = 1;
-  for (int t = 0; t < 8; t++) {
-    config.rows[t] = ROWS;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(TPSERVE_PREFILL_AVX512)
+#define PRODUCTS_AMX 1
+#elif defined(__AVX512BF16__)
+#define PRODUCTS_AMX 0
+#else
+#error "prefill_bf16.c needs a target with AMX (amx-tile, amx-bf16) or AVX-512 BF16"
+#endif
 
 /* One KV head's keys as the scores' second operand: per ROWS keys, D/2 rows of (ROWS keys x 2
  * dims); keys from nk on are zeros. */
@@ -121,8 +109,45 @@ static float softmax_row(const float *s, int64_t visible, int64_t width, float s
   return _mm512_reduce_add_ps(vsum);
 }
 
-/* Scores of the query block (in tiles 4..) against `width` packed keys, into s (ROWS x width). */
-static void scores(const uint16_t *keys, int64_t width, int64_t D, float *s) {
+#if PRODUCTS_AMX
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} TileConfig;
+
+/* Asks Linux for the AMX tile state for this process: 0 on success. */
+int tpserve_prefill_setup(void) {
+  return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+}
+
+const char *tpserve_prefill_products(void) { return "amx"; }
+
+static void products_begin(void) { /* every tile 16 rows of 64 bytes */
+  TileConfig config;
+  memset(&config, 0, sizeof config);
+  config.palette = 1;
+  for (int t = 0; t < 8; t++) {
+    config.rows[t] = ROWS;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+static void products_end(void) { _tile_release(); }
+
+/* Scores of the query block q (ROWS x D, zero rows past the chunk's) against `width` packed keys,
+ * into s (ROWS x width). The block stays in tiles 4.. for the call. */
+static void scores(const uint16_t *q, const uint16_t *keys, int64_t width, int64_t D, float *s) {
+  _tile_loadd(4, q, D * 2);
+  _tile_loadd(5, q + 32, D * 2);
+  if (D == 128) {
+    _tile_loadd(6, q + 64, D * 2);
+    _tile_loadd(7, q + 96, D * 2);
+  }
   for (int64_t t = 0; t < width / ROWS; t++) {
     const uint16_t *tile = keys + t * ROWS * D;
     _tile_zero(0);
@@ -166,6 +191,57 @@ static void weighted_values(const uint16_t *p, const uint16_t *values, int64_t w
   _tile_stored(7, o + 48, 64 * 4);
 }
 
+#else /* AVX-512 BF16: each dot product pairs a broadcast bf16 pair with one packed row */
+
+int tpserve_prefill_setup(void) { return 0; }
+
+const char *tpserve_prefill_products(void) { return "avx512_bf16"; }
+
+static void products_begin(void) {}
+
+static void products_end(void) {}
+
+static inline __m512bh pair_of(const uint16_t *two) { /* two bf16 in every 32-bit lane */
+  uint32_t bits;
+  memcpy(&bits, two, 4);
+  return (__m512bh)_mm512_set1_epi32((int)bits);
+}
+
+/* As the AMX scores: per ROWS packed keys, lane n of row i's sum is key n's score. */
+static void scores(const uint16_t *q, const uint16_t *keys, int64_t width, int64_t D, float *s) {
+  for (int64_t t = 0; t < width / ROWS; t++) {
+    const uint16_t *tile = keys + t * ROWS * D; /* D/2 rows of ROWS keys' dim pairs */
+    __m512 sum[ROWS];
+    for (int i = 0; i < ROWS; i++) sum[i] = _mm512_setzero_ps();
+    for (int64_t pair = 0; pair < D / 2; pair++) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(tile + pair * 2 * ROWS);
+      for (int i = 0; i < ROWS; i++)
+        sum[i] = _mm512_dpbf16_ps(sum[i], pair_of(q + i * D + 2 * pair), k);
+    }
+    for (int i = 0; i < ROWS; i++) _mm512_storeu_ps(s + i * width + t * ROWS, sum[i]);
+  }
+}
+
+/* As the AMX weighted_values: per 16 dims, lane n of row i's sum is dim n's. */
+static void weighted_values(const uint16_t *p, const uint16_t *values, int64_t width, int64_t D,
+                            int64_t pass, float *o) {
+  for (int64_t dims = 0; dims < 4; dims++) {
+    __m512 sum[ROWS];
+    for (int i = 0; i < ROWS; i++) sum[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < width / CHUNK; c++) {
+      const uint16_t *tile = values + (c * (D / 16) + pass * 4 + dims) * 512;
+      for (int64_t pair = 0; pair < CHUNK / 2; pair++) { /* keys 2 pair, 2 pair + 1 */
+        const __m512bh v = (__m512bh)_mm512_loadu_si512(tile + pair * 32);
+        const uint16_t *probs = p + c * CHUNK + 2 * pair;
+        for (int i = 0; i < ROWS; i++)
+          sum[i] = _mm512_dpbf16_ps(sum[i], pair_of(probs + i * width), v);
+      }
+    }
+    for (int i = 0; i < ROWS; i++) _mm512_storeu_ps(o + i * 64 + dims * 16, sum[i]);
+  }
+}
+#endif
+
 typedef struct {
   const uint16_t *q;
   int64_t q_stride, num_q, num_prefix, D;
@@ -187,13 +263,7 @@ static void attend_block(const Prefill *a, int64_t h, int64_t r0, const uint16_t
   memset(w->qbuf, 0, ROWS * D * 2);
   for (int64_t i = 0; i < nrows; i++)
     memcpy(w->qbuf + i * D, a->q + (r0 + i) * a->q_stride + h * D, D * 2);
-  _tile_loadd(4, w->qbuf, D * 2);
-  _tile_loadd(5, w->qbuf + 32, D * 2);
-  if (D == 128) {
-    _tile_loadd(6, w->qbuf + 64, D * 2);
-    _tile_loadd(7, w->qbuf + 96, D * 2);
-  }
-  scores(keys, width, D, w->s);
+  scores(w->qbuf, keys, width, D, w->s);
   for (int64_t i = 0; i < ROWS; i++) {
     if (i < nrows)
       w->sums[i] = softmax_row(w->s + i * width, a->num_prefix + r0 + i + 1, width, a->scale,
@@ -246,7 +316,7 @@ int tpserve_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const ui
       w.o = w.s + ROWS * nk_pad;
       w.sums = w.o + ROWS * MAX_HEAD_DIM;
       w.qbuf = w.p + ROWS * nk_pad;
-      configure_tiles();
+      products_begin();
     } else {
 #pragma omp atomic write
       status = -2;
@@ -260,7 +330,7 @@ int tpserve_prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const ui
       if (w.qbuf)
         attend_block(&a, h, block * ROWS, keys + hk * nk_pad * D, values + hk * nk_pad * D, &w);
     }
-    if (w.qbuf) _tile_release();
+    if (w.qbuf) products_end();
     free(w.s);
     free(w.p);
   }
