@@ -13,6 +13,10 @@
   by ``--client openai``, a small generator on the ``openai`` async client
   (``scripts/served/load.py``). Both time TTFT to the first content and ITL per token (a chunk
   carrying several tokens counts them all).
+* The load generator runs on ``--client-cpus`` (default ``auto``: every core of this process but
+  the lowest, where each system puts its engine: tpserve's rank claims the lowest free core,
+  vLLM binds its worker to the lowest core it does not reserve), as a client on another host
+  would take nothing from the engine's core; ``all`` leaves it where the OS puts it.
 * ``--offline``: each round also runs tpserve's offline engine in this process (no server up)
   on prompts of the same lengths, ``--concurrency`` in flight (a closed loop), with
   ``--offline-threads`` torch threads: the served/offline ratio of the same run.
@@ -26,19 +30,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 
+from parallel.cpu_binding import format_cpu_list, parse_cpu_list  # noqa: E402
 from scripts.served.aiperf import AiperfError, AiperfLoad, ensure_aiperf, run_aiperf  # noqa: E402
 from scripts.served.servers import Server, ServerError, tpserve_spec, vllm_spec  # noqa: E402
 from scripts.vllm.report import cpu_info  # noqa: E402
@@ -79,6 +85,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="virtualenv for aiperf (created on first use)")
     p.add_argument("--vllm-kv-gb", type=int, default=4,
                    help="vLLM's KV cache space in GiB (VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--client-cpus", default="auto",
+                   help="cores of the load generator: a list (0-3,6), 'auto' (all but the "
+                        "lowest) or 'all' (unpinned)")
     p.add_argument("--tpserve-args", default="", help="extra `tpserve serve` options, quoted")
     p.add_argument("--logs", type=Path, default=Path("/tmp/bench-served-vs-vllm"),
                    help="directory for the servers' logs and aiperf's artifacts")
@@ -95,9 +104,46 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--offline-threads must be at least 1, got {args.offline_threads}")
     if not 1 <= args.port <= 65535:
         p.error(f"--port must be a TCP port (1-65535), got {args.port}")
+    try:
+        args.client_cpus = client_cores(args.client_cpus, sorted(os.sched_getaffinity(0)))
+    except ValueError as exc:
+        p.error(f"--client-cpus: {exc}")
     if args.concurrency > args.num_requests:
         p.error(f"--concurrency {args.concurrency} is more than --num-requests "
                 f"{args.num_requests}; expected at most one request in flight per request")
+
+
+def client_cores(spec: str, available: Sequence[int]) -> Optional[Tuple[int, ...]]:
+    """The load generator's cores for ``--client-cpus`` ``spec`` on a process that may run on
+    ``available``: None (unpinned) for ``all``, or for ``auto`` on a single core."""
+    if spec == "all":
+        return None
+    if spec == "auto":
+        return tuple(available[1:]) or None
+    try:
+        cores = parse_cpu_list(spec)
+    except ValueError:
+        raise ValueError(f"expected a core list (e.g. 1 or 1-3,5), 'auto' or 'all', got "
+                         f"{spec!r}") from None
+    outside = sorted(set(cores) - set(available))
+    if outside:
+        raise ValueError(f"core(s) {format_cpu_list(outside)} are not among this process's "
+                         f"{format_cpu_list(available)}")
+    return cores
+
+
+@contextlib.contextmanager
+def client_affinity(cores: Optional[Sequence[int]]) -> Iterator[None]:
+    """The calling thread, and the processes it starts meanwhile, on ``cores`` (None: as is)."""
+    if cores is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 # ----- one run -----
@@ -105,17 +151,20 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def drive(args: argparse.Namespace, base_url: str, model: str, tokenizer_dir: Path,
           aiperf: Optional[Path], artifacts: Path) -> Dict[str, Optional[float]]:
-    """The load against one server (``base_url`` ends in ``/v1``); its figures."""
+    """The load against one server (``base_url`` ends in ``/v1``), from ``--client-cpus``; its
+    figures."""
     if aiperf is not None:
         load = AiperfLoad(model, tokenizer_dir, args.input_tokens, args.output_tokens,
                           args.concurrency, args.num_requests, args.seed)
-        return run_aiperf(aiperf, load, base_url[:-len("/v1")], artifacts)
+        with client_affinity(args.client_cpus):
+            return run_aiperf(aiperf, load, base_url[:-len("/v1")], artifacts)
     from scripts.served.load import run_load
 
     contents = _messages(args, tokenizer_dir)
-    asyncio.run(run_load(base_url, model, contents[:2], 4, 2))  # warm-up
-    return asyncio.run(run_load(base_url, model, contents, args.output_tokens,
-                                args.concurrency)).figures()
+    with client_affinity(args.client_cpus):
+        asyncio.run(run_load(base_url, model, contents[:2], 4, 2))  # warm-up
+        return asyncio.run(run_load(base_url, model, contents, args.output_tokens,
+                                    args.concurrency)).figures()
 
 
 def _messages(args: argparse.Namespace, tokenizer_dir: Path) -> List[str]:
@@ -203,6 +252,8 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
                    "num_requests": args.num_requests, "input_tokens": args.input_tokens,
                    "output_tokens": args.output_tokens, "rounds": args.rounds,
                    "vllm_kv_cache_gib": args.vllm_kv_gb, "load_average_start": load_start,
+                   "client_cpus": (None if args.client_cpus is None
+                                   else format_cpu_list(args.client_cpus)),
                    "load_average_end": os.getloadavg()[0],
                    "bench_wall_s": time.perf_counter() - started, **cpu_info(_cpuinfo())})
     return result

@@ -28,6 +28,8 @@ def bench():
     (["--port", "70000"], "--port must be a TCP port"),
     (["--concurrency", "9", "--num-requests", "8"], "--concurrency 9 is more than"),
     (["--offline-threads", "0"], "--offline-threads must be at least 1"),
+    (["--client-cpus", "one"], "--client-cpus: expected a core list"),
+    (["--client-cpus", "4096"], "--client-cpus: core(s) 4096 are not among this process's"),
 ])
 def test_bad_arguments_name_the_flag(bench, capsys, argv, flag):
     assert_flag_refused(bench, capsys, argv, flag)
@@ -40,6 +42,29 @@ def test_defaults_are_the_issue_load_and_smoke_is_small(bench):
     smoke = bench.parse_args(["--smoke", "--systems", "vllm"])
     assert (smoke.num_requests, smoke.concurrency, smoke.rounds, smoke.systems) == \
         (4, 2, 1, ["vllm"])
+
+
+def test_client_cpus_auto_leaves_the_lowest_core_to_the_engines(bench):
+    assert bench.client_cores("auto", [0, 1, 2, 3]) == (1, 2, 3)
+    assert bench.client_cores("auto", [5]) is None  # one core: nothing to leave
+    assert bench.client_cores("all", [0, 1]) is None
+    assert bench.client_cores("1,3", [0, 1, 2, 3]) == (1, 3)
+    assert bench.parse_args(["--client-cpus", "all"]).client_cpus is None
+
+
+def test_the_load_generator_starts_on_the_client_cores_and_the_bench_is_restored(bench):
+    """A process started under `client_affinity` (as aiperf is) runs on the client's cores;
+    the bench's own affinity is as before once the load is done."""
+    import subprocess
+
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    with bench.client_affinity((core,)):
+        child = subprocess.run(
+            [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+            capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == str([core])
+    assert os.sched_getaffinity(0) == before
 
 
 def test_unwritable_vllm_venv_exits_with_one_line(tmp_path):
