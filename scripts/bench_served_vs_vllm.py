@@ -13,10 +13,11 @@
   by ``--client openai``, a small generator on the ``openai`` async client
   (``scripts/served/load.py``). Both time TTFT to the first content and ITL per token (a chunk
   carrying several tokens counts them all).
-* The load generator runs on ``--client-cpus`` (default ``auto``: every core of this process but
-  the lowest, where each system puts its engine: tpserve's rank claims the lowest free core,
-  vLLM binds its worker to the lowest core it does not reserve), as a client on another host
-  would take nothing from the engine's core; ``all`` leaves it where the OS puts it.
+* The load generator runs where the OS puts it (``--client-cpus all``, the default), or on the
+  cores ``--client-cpus`` lists; ``auto`` is every core of this process but the lowest, where
+  each system puts its engine (tpserve's rank claims the lowest free core, vLLM binds its worker
+  to the lowest core it does not reserve), so the client takes nothing from the engines' core
+  and shares the other cores with the rest of each server.
 * ``--offline``: each round also runs tpserve's offline engine in this process (no server up)
   on prompts of the same lengths, ``--concurrency`` in flight (a closed loop), with
   ``--offline-threads`` torch threads: the served/offline ratio of the same run.
@@ -85,9 +86,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="virtualenv for aiperf (created on first use)")
     p.add_argument("--vllm-kv-gb", type=int, default=4,
                    help="vLLM's KV cache space in GiB (VLLM_CPU_KVCACHE_SPACE)")
-    p.add_argument("--client-cpus", default="auto",
-                   help="cores of the load generator: a list (0-3,6), 'auto' (all but the "
-                        "lowest) or 'all' (unpinned)")
+    p.add_argument("--client-cpus", default="all",
+                   help="cores of the load generator: 'all' (unpinned), a list (0-3,6) or "
+                        "'auto' (all but the lowest)")
     p.add_argument("--tpserve-args", default="", help="extra `tpserve serve` options, quoted")
     p.add_argument("--logs", type=Path, default=Path("/tmp/bench-served-vs-vllm"),
                    help="directory for the servers' logs and aiperf's artifacts")

@@ -49,7 +49,7 @@ def test_client_cpus_auto_leaves_the_lowest_core_to_the_engines(bench):
     assert bench.client_cores("auto", [5]) is None  # one core: nothing to leave
     assert bench.client_cores("all", [0, 1]) is None
     assert bench.client_cores("1,3", [0, 1, 2, 3]) == (1, 3)
-    assert bench.parse_args(["--client-cpus", "all"]).client_cpus is None
+    assert bench.parse_args([]).client_cpus is None  # unpinned unless asked
 
 
 def test_the_load_generator_starts_on_the_client_cores_and_the_bench_is_restored(bench):
