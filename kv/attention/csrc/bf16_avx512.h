@@ -1,7 +1,7 @@
 /* fp32 math on AVX-512 (F and BW), 16 lanes at a time: bf16 <-> fp32 rounding as c10::BFloat16
  * does; SLEEF's expf_u10 (PyTorch's vectorized exp on x86: the same reduction, polynomial and FMAs
  * as the scalar code of workers/models/csrc/layer_ops.c, so the same bits); and a faster exp for
- * softmax. Included by layer_ops.c (-ffp-contract=off), prefill_amx.c and paged_decode.c. Each
+ * softmax. Included by layer_ops.c (-ffp-contract=off), prefill_bf16.c and paged_decode.c. Each
  * function is TPSERVE_AVX512_FN: static inline, or what the includer defines it as before (the
  * decode kernel, built for a lower -march, gives them its AVX-512 target attribute). */
 #ifndef TPSERVE_BF16_AVX512_H
