@@ -76,7 +76,7 @@ class Server:
         try:
             self.proc = subprocess.Popen(spec.command, stdout=self._log,
                                          stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_take_sigint)
         except OSError as exc:
             self._log.close()
             raise ServerError(f"{spec.name} could not start ({spec.command[0]}): {exc}") from None
@@ -121,6 +121,13 @@ class Server:
         _signal_session(self.proc.pid, signal.SIGKILL)  # what the server left behind
         self.proc.wait()
         self._log.close()
+
+
+def _take_sigint() -> None:
+    """In the server's process before it starts: SIGINT back to its default, as an ignored SIGINT
+    (a non-interactive shell's background job ignores it) would outlive exec and leave the
+    server deaf to the SIGINT that stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _signal_session(pid: int, sig: int) -> None:

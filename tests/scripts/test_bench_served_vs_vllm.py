@@ -171,6 +171,29 @@ def test_server_waits_for_its_models_and_stops(tmp_path):
     assert server.proc.returncode is not None
 
 
+def test_a_server_started_where_sigint_is_ignored_still_stops_on_it(tmp_path):
+    """A bench run from a non-interactive shell's background job inherits SIGINT ignored; the
+    server it starts must still take the SIGINT that stops it (not wait out the grace period
+    for the SIGKILL)."""
+    import signal
+
+    from scripts.served.servers import Server, ServerSpec
+
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "models").write_text('{"data": [{"id": "tiny"}]}')
+    port = free_port()
+    spec = ServerSpec("static", [sys.executable, "-m", "http.server", str(port), "--bind",
+                                 "127.0.0.1", "--directory", str(tmp_path)], port,
+                      tmp_path / "server.log")
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        server = Server(spec, ready_timeout_s=30)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    server.stop(grace_s=20)
+    assert server.proc.returncode != -signal.SIGKILL  # it left on the SIGINT
+
+
 def test_server_that_exits_names_its_log(tmp_path):
     from scripts.served.servers import Server, ServerError, ServerSpec
 
