@@ -157,15 +157,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_server_waits_for_its_models_and_stops(tmp_path):
-    from scripts.served.servers import Server, ServerSpec
+def _static_server(tmp_path):
+    """A real HTTP server on loopback that lists one model, "tiny", at /v1/models."""
+    from scripts.served.servers import ServerSpec
 
     (tmp_path / "v1").mkdir()
     (tmp_path / "v1" / "models").write_text('{"data": [{"id": "tiny"}]}')
     port = free_port()
-    spec = ServerSpec("static", [sys.executable, "-m", "http.server", str(port), "--bind",
+    return ServerSpec("static", [sys.executable, "-m", "http.server", str(port), "--bind",
                                  "127.0.0.1", "--directory", str(tmp_path)], port,
                       tmp_path / "server.log")
+
+
+def test_server_waits_for_its_models_and_stops(tmp_path):
+    from scripts.served.servers import Server
+
+    spec = _static_server(tmp_path)
     with Server(spec, ready_timeout_s=30) as server:
         assert server.model_ids == ["tiny"]
     assert server.proc.returncode is not None
@@ -177,14 +184,9 @@ def test_a_server_started_where_sigint_is_ignored_still_stops_on_it(tmp_path):
     for the SIGKILL)."""
     import signal
 
-    from scripts.served.servers import Server, ServerSpec
+    from scripts.served.servers import Server
 
-    (tmp_path / "v1").mkdir()
-    (tmp_path / "v1" / "models").write_text('{"data": [{"id": "tiny"}]}')
-    port = free_port()
-    spec = ServerSpec("static", [sys.executable, "-m", "http.server", str(port), "--bind",
-                                 "127.0.0.1", "--directory", str(tmp_path)], port,
-                      tmp_path / "server.log")
+    spec = _static_server(tmp_path)
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         server = Server(spec, ready_timeout_s=30)
