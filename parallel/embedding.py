@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.onednn_linear import PackedWeight, dense_or_packed, pack_if_possible
+from parallel.onednn_linear import Packed, dense_or_packed, pack_if_possible
 from parallel.tp_group import TPGroup
 from parallel.weights import TensorSource, copy_checked, set_weight_loader
 
@@ -55,7 +55,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary, assembled on rank 0 (None on other ranks)."""
 
-    packed: Optional[PackedWeight] = None
+    packed: Optional[Packed] = None
 
     def pack_weights(self) -> bool:
         """Multiply with a packed copy of the loaded rows (a tied head keeps the embedding's

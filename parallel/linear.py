@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from parallel.onednn_linear import PackedWeight, dense_or_packed, pack_if_possible
+from parallel.onednn_linear import Packed, dense_or_packed, pack_if_possible
 from parallel.tp_group import TPGroup
 from parallel.weights import TensorSource, copy_checked, set_weight_loader
 
@@ -45,7 +45,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param((local_out,), dtype, tp.device) if bias else None
         if self.bias is not None:
             set_weight_loader(self.bias, self.load_shard)
-        self.packed: Optional[PackedWeight] = None
+        self.packed: Optional[Packed] = None
 
     def pack_weights(self) -> bool:
         """Multiply with a packed copy of the loaded weight from now on, where the CPU allows."""
@@ -112,7 +112,7 @@ class RowParallelLinear(nn.Module):
         self.bias = _param((out_features,), dtype, tp.device) if bias else None
         if self.bias is not None:
             set_weight_loader(self.bias, lambda p, s, _=None: copy_checked(p, s.read(), s))
-        self.packed: Optional[PackedWeight] = None
+        self.packed: Optional[Packed] = None
 
     def pack_weights(self) -> bool:
         """Multiply with a packed copy of the loaded shard from now on, where the CPU allows."""

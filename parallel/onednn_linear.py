@@ -16,7 +16,9 @@ per doubling, under 1/8 padding), which bounds the kernels a server builds, and 
 builds those of every decode batch size when a rank starts.
 
 Layers keep their dense ``weight`` (the loader writes it, tests and tied heads read it) and call
-``PackedWeight`` when they hold one. ``pack_linear_weights`` packs every layer of a model that
+their packed copy when they hold one: a ``PackedWeight``, or for bf16 on CPUs with AVX-512 BF16
+and no AMX a `parallel.bf16_linear.KernelWeight` (tpserve's own kernel, faster at a decode
+step's few rows). ``pack_linear_weights`` packs every layer of a model that
 offers ``pack_weights``; set ``TPSERVE_ONEDNN_LINEAR=0`` to keep torch's default linears.
 """
 
@@ -24,11 +26,14 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from parallel import bf16_linear
+from parallel.bf16_linear import KernelWeight
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 EXACT_ROWS = 32  # row counts up to this run as they are
@@ -105,8 +110,19 @@ class PackedWeight:
         return len(sizes)
 
 
-def pack_if_possible(weight: torch.Tensor) -> Optional[PackedWeight]:
-    return PackedWeight(weight) if can_pack(weight) else None
+Packed = Union[PackedWeight, KernelWeight]  # what a layer's ``packed`` holds
+
+
+def pack_if_possible(weight: torch.Tensor) -> Optional[Packed]:
+    """The packed copy ``weight``'s linears run on here: the bf16 kernel's where it takes the
+    weight (`parallel.bf16_linear.linear_kernel`), else oneDNN's; None where neither can."""
+    if not can_pack(weight):
+        return None
+    if bf16_linear.accepts(weight):
+        kernel = bf16_linear.linear_kernel()
+        if kernel is not None:
+            return bf16_linear.KernelWeight(weight, kernel)
+    return PackedWeight(weight)
 
 
 def pack_linear_weights(model: nn.Module) -> int:
@@ -117,23 +133,23 @@ def pack_linear_weights(model: nn.Module) -> int:
                if hasattr(module, "pack_weights"))
 
 
-def packed_weights(model: nn.Module) -> List[PackedWeight]:
+def packed_weights(model: nn.Module) -> List[Packed]:
     """The packed copy of every module of ``model`` that holds one (its ``packed``, which
     ``pack_weights`` sets)."""
     return [module.packed for module in model.modules()
-            if isinstance(getattr(module, "packed", None), PackedWeight)]
+            if isinstance(getattr(module, "packed", None), (PackedWeight, KernelWeight))]
 
 
 def warm_up_linears(model: nn.Module, max_rows: int, dtype: torch.dtype) -> int:
     """`PackedWeight.warm_up` for one packed weight of each shape in ``model`` (oneDNN keeps a
     kernel per shape and row count, whichever weight it ran for); returns the calls made."""
-    by_shape: Dict[Tuple[int, int], PackedWeight] = {}
+    by_shape: Dict[Tuple[int, int], Packed] = {}
     for packed in packed_weights(model):
         by_shape.setdefault((packed.out_features, packed.in_features), packed)
     return sum(packed.warm_up(max_rows, dtype) for packed in by_shape.values())
 
 
-def dense_or_packed(x: torch.Tensor, weight: torch.Tensor, packed: Optional[PackedWeight],
+def dense_or_packed(x: torch.Tensor, weight: torch.Tensor, packed: Optional[Packed],
                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through ``packed`` when there is one."""
     if packed is None:

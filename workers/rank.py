@@ -23,6 +23,7 @@ from kv.kv_cache import KVCache, KVCacheSpec
 from kv.tiers.ops import TierOpResults
 from kv.tiers.transfer_progress import TransferError
 from parallel.cpu_capability import cpu_bf16_support
+from parallel.bf16_linear import KernelWeight
 from parallel.onednn_linear import (PackedWeight, pack_linear_weights, packed_weights,
                                     warm_up_linears)
 from parallel.cpu_binding import bind_rank_cores
@@ -217,14 +218,15 @@ def warm_up_cpu_linears(model: torch.nn.Module, max_num_seqs: int, dtype: torch.
 
 def weights_on_huge_pages(model: torch.nn.Module) -> None:
     """The weights a CPU rank's steps read, moved onto huge pages (`kv.huge_pages`): each
-    oneDNN-packed copy, and the parameters of modules without one."""
+    packed copy (oneDNN's or the bf16 kernel's), and the parameters of modules without one."""
     tensors = []
     for module in model.modules():
         packed = getattr(module, "packed", None)
-        if isinstance(packed, PackedWeight):
+        is_packed = isinstance(packed, (PackedWeight, KernelWeight))
+        if is_packed:
             tensors.append(packed.packed)
         tensors += [p for name, p in module.named_parameters(recurse=False)
-                    if not (name == "weight" and isinstance(packed, PackedWeight))]
+                    if not (name == "weight" and is_packed)]
     moved = back_with_huge_pages(tensors)
     if moved:
         logger.info("weights on huge pages: %.0f MiB", moved / 2**20)
