@@ -61,6 +61,9 @@ class LinearKernel:
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``rows`` ``[T, in]`` (bf16, unit stride along ``in``) times the weight `pack` made:
         ``[T, out_features]`` bf16."""
+        if rows.dtype != torch.bfloat16 or rows.dim() != 2:
+            raise ValueError(f"the bf16 linear kernel takes 2-d bf16 rows, got {rows.dtype} "
+                             f"{tuple(rows.shape)}")
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)

@@ -69,6 +69,14 @@ def test_kernel_weight_keeps_the_leading_dims_and_warms_up():
     assert packed.warm_up(16, torch.bfloat16) == 1
 
 
+@needs_kernel
+def test_rows_of_another_dtype_are_refused_by_name():
+    weight = torch.randn(32, 64).bfloat16()
+    with pytest.raises(ValueError, match="takes 2-d bf16 rows, got torch.float32"):
+        build_kernel().linear(torch.randn(3, 64), pack(weight), 32)
+    assert build_kernel().linear(torch.zeros(0, 64).bfloat16(), pack(weight), 32).shape == (0, 32)
+
+
 def test_weights_the_kernel_does_not_take():
     assert not bf16_linear.accepts(torch.zeros(32, 63, dtype=torch.bfloat16))  # odd input size
     assert not bf16_linear.accepts(torch.zeros(32, 64))  # fp32
