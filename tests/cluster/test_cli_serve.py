@@ -3,6 +3,7 @@
 The refusals run the console script's entry point (`cluster.cli.main.main`) in this process, which
 also shows that no Ray was started for them; the failed deploy runs it as a subprocess."""
 
+import os
 import subprocess
 import sys
 
@@ -11,9 +12,9 @@ import pytest
 pytestmark = pytest.mark.timeout(120)
 
 
-def serve(*args, timeout=60):
+def serve(*args, timeout=60, env=None):
     return subprocess.run([sys.executable, "-m", "cluster.cli.main", "serve", *args],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def refused(capsys, *args):
@@ -64,7 +65,10 @@ def test_a_deploy_that_serve_gives_up_on_exits_1_saying_why(tiny_llama, tmp_path
     shutil.copytree(tiny_llama, broken)
     shard = broken / "model.safetensors"
     shard.write_bytes(shard.read_bytes()[:1000])
-    result = serve("--model", str(broken), "--port", str(free_port()), timeout=240)
+    # Serve gives up after one failed start of the replica instead of its default three: the
+    # same path, a third of the wait.
+    env = {**os.environ, "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"}
+    result = serve("--model", str(broken), "--port", str(free_port()), timeout=240, env=env)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "the application failed to deploy" in result.stderr
     assert "serving on" not in result.stdout
