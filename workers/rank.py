@@ -206,14 +206,15 @@ WARM_UP_MIN_BYTES = 64 << 20
 
 def warm_up_cpu_linears(model: torch.nn.Module, max_num_seqs: int, dtype: torch.dtype) -> None:
     """oneDNN's kernels for every decode batch size (up to ``max_num_seqs`` rows, bucketed) of
-    each packed linear shape, built before the first step instead of during the first steps."""
+    each packed linear shape, built before the first step instead of during the first steps (the
+    bf16 kernel's weights build nothing: one call each)."""
     packed = [weight.packed for weight in packed_weights(model)]
     if sum(t.numel() * t.element_size() for t in packed) < WARM_UP_MIN_BYTES:
         return
     start = time.perf_counter()
     calls = warm_up_linears(model, max_num_seqs, dtype)
-    logger.info("oneDNN linears: kernels for %d shapes and row counts built in %.2f s", calls,
-                time.perf_counter() - start)
+    logger.info("packed linears: %d warm-up calls over their shapes and row counts in %.2f s",
+                calls, time.perf_counter() - start)
 
 
 def weights_on_huge_pages(model: torch.nn.Module) -> None:
