@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.onednn_linear import Packed, dense_or_packed, pack_if_possible
+from parallel.onednn_linear import Pack, Packed, dense_or_packed, pack_if_possible
 from parallel.tp_group import TPGroup
 from parallel.weights import TensorSource, copy_checked, set_weight_loader
 
@@ -57,10 +57,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     packed: Optional[Packed] = None
 
-    def pack_weights(self) -> bool:
+    def pack_weights(self, pack: Pack = pack_if_possible) -> bool:
         """Multiply with a packed copy of the loaded rows (a tied head keeps the embedding's
         dense rows for lookups, so this copy is its own)."""
-        self.packed = pack_if_possible(self.weight)
+        self.packed = pack(self.weight)
         return self.packed is not None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:

@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from parallel.onednn_linear import Packed, dense_or_packed, pack_if_possible
+from parallel.onednn_linear import Pack, Packed, dense_or_packed, pack_if_possible
 from parallel.tp_group import TPGroup
 from parallel.weights import TensorSource, copy_checked, set_weight_loader
 
@@ -47,9 +47,9 @@ class ColumnParallelLinear(nn.Module):
             set_weight_loader(self.bias, self.load_shard)
         self.packed: Optional[Packed] = None
 
-    def pack_weights(self) -> bool:
+    def pack_weights(self, pack: Pack = pack_if_possible) -> bool:
         """Multiply with a packed copy of the loaded weight from now on, where the CPU allows."""
-        self.packed = pack_if_possible(self.weight)
+        self.packed = pack(self.weight)
         return self.packed is not None
 
     def shard_range(self, shard_id: Optional[int]) -> tuple:
@@ -114,9 +114,9 @@ class RowParallelLinear(nn.Module):
             set_weight_loader(self.bias, lambda p, s, _=None: copy_checked(p, s.read(), s))
         self.packed: Optional[Packed] = None
 
-    def pack_weights(self) -> bool:
+    def pack_weights(self, pack: Pack = pack_if_possible) -> bool:
         """Multiply with a packed copy of the loaded shard from now on, where the CPU allows."""
-        self.packed = pack_if_possible(self.weight)
+        self.packed = pack(self.weight)
         return self.packed is not None
 
     def load_weight(self, param: nn.Parameter, source: TensorSource, shard_id=None) -> None:

@@ -16,9 +16,10 @@ per doubling, under 1/8 padding), which bounds the kernels a server builds, and 
 builds those of every decode batch size when a rank starts.
 
 Layers keep their dense ``weight`` (the loader writes it, tests and tied heads read it) and call
-their packed copy when they hold one: a ``PackedWeight``, or for bf16 on CPUs with AVX-512 BF16
-and no AMX a `parallel.bf16_linear.KernelWeight` (tpserve's own kernel, faster at a decode
-step's few rows). ``pack_linear_weights`` packs every layer of a model that
+their packed copy when they hold one: a ``PackedWeight``, or whatever the ``pack`` function given
+to ``pack_linear_weights`` returns (a CPU rank's takes tpserve's bf16 kernel where the CPU has
+AVX-512 BF16 and no AMX: `workers.models.bf16_linear`). ``pack_linear_weights`` packs every
+layer of a model that
 offers ``pack_weights``; set ``TPSERVE_ONEDNN_LINEAR=0`` to keep torch's default linears.
 """
 
@@ -26,14 +27,11 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from parallel import bf16_linear
-from parallel.bf16_linear import KernelWeight
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 EXACT_ROWS = 32  # row counts up to this run as they are
@@ -110,26 +108,31 @@ class PackedWeight:
         return len(sizes)
 
 
-Packed = Union[PackedWeight, KernelWeight]  # what a layer's ``packed`` holds
+class Packed(Protocol):
+    """What a layer's ``packed`` holds: a copy of its weight that ``linear`` multiplies with."""
+
+    out_features: int
+    in_features: int
+    packed: torch.Tensor
+
+    def linear(self, x: torch.Tensor,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+
+    def warm_up(self, max_rows: int, dtype: torch.dtype) -> int: ...
 
 
-def pack_if_possible(weight: torch.Tensor) -> Optional[Packed]:
-    """The packed copy ``weight``'s linears run on here: the bf16 kernel's where it takes the
-    weight (`parallel.bf16_linear.linear_kernel`), else oneDNN's; None where neither can."""
-    if not can_pack(weight):
-        return None
-    if bf16_linear.accepts(weight):
-        kernel = bf16_linear.linear_kernel()
-        if kernel is not None:
-            return bf16_linear.KernelWeight(weight, kernel)
-    return PackedWeight(weight)
+Pack = Callable[[torch.Tensor], Optional[Packed]]  # a weight -> its packed copy, or None
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Pack the weight of every module of ``model`` with a ``pack_weights()`` method (once the
-    checkpoint is loaded: later writes to a dense weight would not reach its packed copy).
-    Returns how many modules packed theirs."""
-    return sum(bool(module.pack_weights()) for module in model.modules()
+def pack_if_possible(weight: torch.Tensor) -> Optional[PackedWeight]:
+    return PackedWeight(weight) if can_pack(weight) else None
+
+
+def pack_linear_weights(model: nn.Module, pack: Pack = pack_if_possible) -> int:
+    """Pack the weight of every module of ``model`` with a ``pack_weights`` method through
+    ``pack`` (once the checkpoint is loaded: later writes to a dense weight would not reach its
+    packed copy). Returns how many modules packed theirs."""
+    return sum(bool(module.pack_weights(pack)) for module in model.modules()
                if hasattr(module, "pack_weights"))
 
 
@@ -137,7 +140,7 @@ def packed_weights(model: nn.Module) -> List[Packed]:
     """The packed copy of every module of ``model`` that holds one (its ``packed``, which
     ``pack_weights`` sets)."""
     return [module.packed for module in model.modules()
-            if isinstance(getattr(module, "packed", None), (PackedWeight, KernelWeight))]
+            if getattr(module, "packed", None) is not None]
 
 
 def warm_up_linears(model: nn.Module, max_rows: int, dtype: torch.dtype) -> int:

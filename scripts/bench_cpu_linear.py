@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Time bf16 linears on CPU, tpserve's kernel (``parallel/bf16_linear.py``) against the oneDNN
+"""Time bf16 linears on CPU, tpserve's kernel (``workers/models/bf16_linear.py``) against the oneDNN
 linears it replaces on AVX-512 BF16 CPUs (``parallel.onednn_linear.PackedWeight``), in this
 process.
 
@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from parallel.bf16_linear import SWITCH_ENV, KernelWeight, build_kernel
+from workers.models.bf16_linear import SWITCH_ENV, KernelWeight, build_kernel
 from parallel.cpu_capability import cpu_bf16_support
 from parallel.onednn_linear import PackedWeight
 

@@ -23,12 +23,12 @@ from kv.kv_cache import KVCache, KVCacheSpec
 from kv.tiers.ops import TierOpResults
 from kv.tiers.transfer_progress import TransferError
 from parallel.cpu_capability import cpu_bf16_support
-from parallel.bf16_linear import KernelWeight
 from parallel.onednn_linear import (PackedWeight, pack_linear_weights, packed_weights,
                                     warm_up_linears)
 from parallel.cpu_binding import bind_rank_cores
 from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
 from workers.cpu_malloc import keep_freed_memory
+from workers.models.bf16_linear import KernelWeight, pack_cpu_weight
 from workers.device_memory import DeviceMemory, device_memory
 from workers.loader import load_weights
 from workers.memory_profile import size_kv_pool
@@ -167,7 +167,7 @@ def build_rank(config: RankConfig, check_peers: Optional[Callable[[], None]] = N
     model = model_class(model_config.architecture)(model_config, tp, dtype, config.max_model_len,
                                                    attention)
     load_weights(model, Path(config.model_dir))
-    num_packed = pack_linear_weights(model)  # CPU: oneDNN copies of the loaded shards
+    num_packed = pack_linear_weights(model, pack_cpu_weight)  # CPU: packed copies of the shards
     num_kv_heads = model.model.layers[0].self_attn.qkv_proj.num_local_kv_heads
     spec = KVCacheSpec(model_config.num_layers, config.num_kv_blocks, config.block_size,
                        num_kv_heads, model_config.head_dim, dtype)

@@ -1,9 +1,9 @@
 /* A bf16 linear on AVX-512 BF16: y[r] = x[r] . W^T (+ bias), fp32 sums, each output rounded to
  * bf16 once (round to nearest even).
  *
- * The weight is packed once (parallel/bf16_linear.py, `pack`): its output columns in panels of
- * 32, each panel's K/2 input pairs in order, per pair the 32 columns' two bf16 values side by
- * side: [ceil(N/32)][K/2][32][2], the last panel's missing columns zero. A panel is one
+ * The weight is packed once (workers/models/bf16_linear.py, `pack`): its output columns in
+ * panels of 32, each panel's K/2 input pairs in order, per pair the 32 columns' two bf16 values
+ * side by side: [ceil(N/32)][K/2][32][2], the last panel's missing columns zero. A panel is one
  * sequential stream of K * 64 bytes, read once per call for each 8 rows of x.
  *
  * Per panel and per 8 rows of x: 16 zmm accumulators (8 rows x 2 halves of 16 columns); per
@@ -14,8 +14,8 @@
  * the number of rows, the other rows and the thread count: a row's result depends on that row
  * alone. Threads (OpenMP, `num_threads`) take whole panels.
  *
- * Called through ctypes by parallel/bf16_linear.py, which compiles it at first use on CPUs with
- * AVX-512 BF16 (-march=native) and checks it against an fp32 product before use.
+ * Called through ctypes by workers/models/bf16_linear.py, which compiles it at first use on CPUs
+ * with AVX-512 BF16 (-march=native) and checks it against an fp32 product before use.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -97,5 +97,5 @@ int tpserve_linear_bf16(const uint16_t *x, int64_t rows, int64_t x_stride, const
     return 0;
 }
 
-/* The library's contract version: parallel/bf16_linear.py refuses a library that differs. */
+/* The library's contract version: workers/models/bf16_linear.py refuses a library that differs. */
 int tpserve_linear_bf16_version(void) { return 1; }

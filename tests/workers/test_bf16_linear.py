@@ -1,15 +1,15 @@
-"""The bf16 linear kernel (`parallel.bf16_linear`, AVX-512 BF16): within bf16 rounding of an fp32
-product over panels and row passes full or not, a row's result independent of the other rows and
-the thread count; the weights it refuses; which CPUs' bf16 linears take it."""
+"""The bf16 linear kernel (`workers.models.bf16_linear`, AVX-512 BF16): within bf16 rounding of
+an fp32 product over panels and row passes full or not, a row's result independent of the other
+rows and the thread count; the weights it refuses; which CPUs' bf16 linears take it."""
 
 import pytest
 import torch
 
-import parallel.bf16_linear as bf16_linear
+import workers.models.bf16_linear as bf16_linear
 import parallel.cpu_capability as cpu_capability
-from parallel.bf16_linear import KernelWeight, build_kernel, pack
+from workers.models.bf16_linear import KernelWeight, build_kernel, pack, pack_cpu_weight
 from parallel.cpu_capability import CpuBf16Support, cpu_bf16_support
-from parallel.onednn_linear import PackedWeight, pack_if_possible
+from parallel.onednn_linear import PackedWeight
 
 # AMX CPUs have AVX-512 BF16 too: the kernel runs on both, their linears take it on the second
 needs_kernel = pytest.mark.skipif(cpu_bf16_support().path not in ("amx", "avx512_bf16"),
@@ -100,11 +100,23 @@ def cpu_path(monkeypatch):
 def test_bf16_linears_take_the_kernel_on_avx512_bf16_alone(cpu_path, monkeypatch):
     weight = torch.randn(64, 96).bfloat16()
     cpu_path("avx512_bf16")
-    assert isinstance(pack_if_possible(weight), KernelWeight)
-    assert isinstance(pack_if_possible(weight.float()), PackedWeight)  # fp32 keeps oneDNN
-    assert isinstance(pack_if_possible(weight[:, :95].contiguous()), PackedWeight)  # odd input
+    assert isinstance(pack_cpu_weight(weight), KernelWeight)
+    assert isinstance(pack_cpu_weight(weight.float()), PackedWeight)  # fp32 keeps oneDNN
+    assert isinstance(pack_cpu_weight(weight[:, :95].contiguous()), PackedWeight)  # odd input
     cpu_path("amx")
-    assert isinstance(pack_if_possible(weight), PackedWeight)
+    assert isinstance(pack_cpu_weight(weight), PackedWeight)
     cpu_path("avx512_bf16")
     monkeypatch.setenv("TPSERVE_CPU_KERNELS", "0")
-    assert isinstance(pack_if_possible(weight), PackedWeight)
+    assert isinstance(pack_cpu_weight(weight), PackedWeight)
+
+
+@needs_kernel
+def test_a_bf16_cpu_rank_packs_its_linears_with_the_kernel_where_the_cpu_takes_it(tiny_llama):
+    from parallel.onednn_linear import packed_weights
+    from workers.config import EngineConfig
+    from workers.llm import LLM
+
+    with LLM(EngineConfig(model=str(tiny_llama), dtype="bfloat16")) as llm:
+        packed = packed_weights(llm.engine.rank.runner.model)
+    takes_it = bf16_linear.linear_kernel() is not None
+    assert packed and all(isinstance(p, KernelWeight) == takes_it for p in packed)

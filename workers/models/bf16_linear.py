@@ -1,5 +1,6 @@
-"""bf16 linears on CPUs with AVX-512 BF16 and no AMX: a C kernel (``parallel/csrc/
-linear_bf16.c``) over a weight packed once, called through ctypes.
+"""bf16 linears on CPUs with AVX-512 BF16 and no AMX: a C kernel (``workers/models/csrc/
+linear_bf16.c``) over a weight packed once, called through ctypes. `pack_cpu_weight` is the
+``pack`` a CPU rank gives `parallel.onednn_linear.pack_linear_weights`.
 
 Why: a decode step multiplies a few rows by every weight of the model, so its linears stream the
 weights from memory; oneDNN's bf16 kernels read their blocked layout at a fraction of the rate one
@@ -30,6 +31,7 @@ from typing import Optional
 import torch
 
 from kv.native_build import KernelBuildError, build_shared
+from parallel.onednn_linear import Packed, can_pack, pack_if_possible
 
 logger = logging.getLogger(__name__)
 
@@ -159,3 +161,16 @@ def linear_kernel() -> Optional[LinearKernel]:
         return None
     logger.info("bf16 linears: AVX-512 BF16 kernel %s", kernel.path)
     return kernel
+
+
+def pack_cpu_weight(weight: torch.Tensor) -> Optional[Packed]:
+    """The packed copy ``weight``'s linears run on here: the kernel's where it takes the weight
+    and runs on this CPU (`linear_kernel`), else oneDNN's (`pack_if_possible`); None where
+    neither can (``TPSERVE_ONEDNN_LINEAR=0`` too)."""
+    if not can_pack(weight):
+        return None
+    if accepts(weight):
+        kernel = linear_kernel()
+        if kernel is not None:
+            return KernelWeight(weight, kernel)
+    return pack_if_possible(weight)
