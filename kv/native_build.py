@@ -31,6 +31,12 @@ CACHE_ENV = "TPSERVE_CACHE"  # the cache root the default model lives under too
 COMPILE_TIMEOUT_S = 120
 
 
+def switched_off(env: str) -> bool:
+    """True where the environment variable ``env`` turns a native path off: 0, false, off or no
+    (any case); unset or anything else leaves it on."""
+    return os.environ.get(env, "1").lower() in ("0", "false", "off", "no")
+
+
 class KernelBuildError(RuntimeError):
     """The code could not be compiled or loaded; the message says which command and why."""
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -29,9 +28,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from workers.models.bf16_linear import SWITCH_ENV, KernelWeight, build_kernel
+from kv.native_build import switched_off
 from parallel.cpu_capability import cpu_bf16_support
 from parallel.onednn_linear import PackedWeight
+from workers.models.bf16_linear import SWITCH_ENV, KernelWeight, build_kernel
 
 
 def _ints(text: str) -> List[int]:
@@ -159,8 +159,7 @@ def engine_ab(args: argparse.Namespace) -> Dict[str, object]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    switched_off = os.environ.get(SWITCH_ENV, "1").lower() in ("0", "false", "off", "no")
-    if switched_off or cpu_bf16_support().path not in ("amx", "avx512_bf16"):
+    if switched_off(SWITCH_ENV) or cpu_bf16_support().path not in ("amx", "avx512_bf16"):
         print(f"error: the bf16 linear kernel does not run here: it needs a CPU with avx512_bf16, "
               f"and {SWITCH_ENV} not 0", file=sys.stderr)
         return 2

@@ -29,13 +29,13 @@ import functools
 import importlib.machinery
 import importlib.util
 import logging
-import os
 import sysconfig
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Optional, Tuple
 
-from kv.native_build import KernelBuildError, build_shared, load_shipped_or_built
+from kv.native_build import (KernelBuildError, build_shared, load_shipped_or_built,
+                             switched_off)
 
 if TYPE_CHECKING:
     from cluster.routing.load_report import FleetLoads
@@ -76,7 +76,7 @@ def _load_extension(path: Path) -> ModuleType:
 @functools.lru_cache(maxsize=None)
 def load() -> Optional[ModuleType]:
     """The compiled module, loaded (or built) once per process; None where it cannot be."""
-    if os.environ.get(SWITCH_ENV, "1").lower() in ("0", "false", "off", "no"):
+    if switched_off(SWITCH_ENV):
         logger.info("router: %s=0, uniform fleets rank in Python", SWITCH_ENV)
         return None
     try:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 from typing import Callable, Optional, Tuple
 
@@ -40,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from kv.kv_cache import gather_rows
-from kv.native_build import KernelBuildError, build_shared, load_shipped_or_built
+from kv.native_build import (KernelBuildError, build_shared, load_shipped_or_built,
+                             switched_off)
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def reference_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 @functools.lru_cache(maxsize=None)
 def decode_kernel() -> Optional[DecodeKernel]:
     """This process's kernel, built or loaded once; None where it cannot run (logged once)."""
-    if os.environ.get(SWITCH_ENV, "1").lower() in ("0", "false", "off", "no"):
+    if switched_off(SWITCH_ENV):
         logger.info("CPU decode attention: %s=0, the PyTorch path runs", SWITCH_ENV)
         return None
     try:

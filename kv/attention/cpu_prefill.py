@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -34,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kv.attention.metadata import PrefillSlice
-from kv.native_build import KernelBuildError, build_shared
+from kv.native_build import KernelBuildError, build_shared, switched_off
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +138,7 @@ def prefill_kernel() -> Optional[PrefillKernel]:
     AVX-512 BF16); None where it cannot run (logged once)."""
     from parallel.cpu_capability import cpu_bf16_support
 
-    if os.environ.get(SWITCH_ENV, "1").lower() in ("0", "false", "off", "no"):
+    if switched_off(SWITCH_ENV):
         logger.info("CPU prefill attention: %s=0, SDPA runs", SWITCH_ENV)
         return None
     products = cpu_bf16_support().path

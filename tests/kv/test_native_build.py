@@ -18,3 +18,15 @@ def test_a_changed_header_makes_a_new_build(tmp_path):
         built.append(path)
         assert ctypes.CDLL(str(path)).answer() == value
     assert built[0] != built[1]
+
+
+@pytest.mark.parametrize("value, off", [("0", True), ("false", True), ("OFF", True), ("no", True),
+                                        ("1", False), ("", False), (None, False)])
+def test_switched_off_reads_the_switch(monkeypatch, value, off):
+    from kv.native_build import switched_off
+
+    if value is None:
+        monkeypatch.delenv("TPSERVE_TEST_SWITCH", raising=False)
+    else:
+        monkeypatch.setenv("TPSERVE_TEST_SWITCH", value)
+    assert switched_off("TPSERVE_TEST_SWITCH") is off

@@ -24,13 +24,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from kv.native_build import KernelBuildError, build_shared
+from kv.native_build import KernelBuildError, build_shared, switched_off
 from parallel.onednn_linear import Packed, can_pack, pack_if_possible
 
 logger = logging.getLogger(__name__)
@@ -148,7 +147,7 @@ def linear_kernel() -> Optional[LinearKernel]:
     once; None where they keep oneDNN (logged once)."""
     from parallel.cpu_capability import cpu_bf16_support
 
-    if os.environ.get(SWITCH_ENV, "1").lower() in ("0", "false", "off", "no"):
+    if switched_off(SWITCH_ENV):
         logger.info("bf16 linears: %s=0, oneDNN runs them", SWITCH_ENV)
         return None
     if cpu_bf16_support().path != "avx512_bf16":

@@ -20,14 +20,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import platform
 from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
 
-from kv.native_build import KernelBuildError, build_shared
+from kv.native_build import KernelBuildError, build_shared, switched_off
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +131,7 @@ class LayerKernels:
 @functools.lru_cache(maxsize=None)
 def layer_kernels() -> Optional[LayerKernels]:
     """This process's kernels, built or loaded once; None where they cannot run (logged once)."""
-    if os.environ.get(SWITCH_ENV, "1").lower() in ("0", "false", "off", "no"):
+    if switched_off(SWITCH_ENV):
         logger.info("CPU bf16 layer ops: %s=0, the PyTorch expressions run", SWITCH_ENV)
         return None
     try:
