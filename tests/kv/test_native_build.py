@@ -1,10 +1,13 @@
-"""kv/native_build.py: a build is keyed by its source and the headers it includes."""
+"""kv/native_build.py: a build is keyed by its source and the headers it includes; the native
+paths' off switch."""
 
 from __future__ import annotations
 
 import ctypes
 
-from kv.native_build import build_shared
+import pytest
+
+from kv.native_build import build_shared, switched_off
 
 
 def test_a_changed_header_makes_a_new_build(tmp_path):
@@ -23,8 +26,6 @@ def test_a_changed_header_makes_a_new_build(tmp_path):
 @pytest.mark.parametrize("value, off", [("0", True), ("false", True), ("OFF", True), ("no", True),
                                         ("1", False), ("", False), (None, False)])
 def test_switched_off_reads_the_switch(monkeypatch, value, off):
-    from kv.native_build import switched_off
-
     if value is None:
         monkeypatch.delenv("TPSERVE_TEST_SWITCH", raising=False)
     else:
