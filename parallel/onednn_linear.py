@@ -19,8 +19,8 @@ Layers keep their dense ``weight`` (the loader writes it, tests and tied heads r
 their packed copy when they hold one: a ``PackedWeight``, or whatever the ``pack`` function given
 to ``pack_linear_weights`` returns (a CPU rank's takes tpserve's bf16 kernel where the CPU has
 AVX-512 BF16 and no AMX: `workers.models.bf16_linear`). ``pack_linear_weights`` packs every
-layer of a model that
-offers ``pack_weights``; set ``TPSERVE_ONEDNN_LINEAR=0`` to keep torch's default linears.
+layer of a model that offers ``pack_weights``; set ``TPSERVE_ONEDNN_LINEAR=0`` to keep torch's
+default linears.
 """
 
 from __future__ import annotations
