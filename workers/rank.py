@@ -23,12 +23,11 @@ from kv.kv_cache import KVCache, KVCacheSpec
 from kv.tiers.ops import TierOpResults
 from kv.tiers.transfer_progress import TransferError
 from parallel.cpu_capability import cpu_bf16_support
-from parallel.onednn_linear import (PackedWeight, pack_linear_weights, packed_weights,
-                                    warm_up_linears)
+from parallel.onednn_linear import pack_linear_weights, packed_weights, warm_up_linears
 from parallel.cpu_binding import bind_rank_cores
 from parallel.tp_group import TPGroup, TPGroupConfig, init_tp_group
 from workers.cpu_malloc import keep_freed_memory
-from workers.models.bf16_linear import KernelWeight, pack_cpu_weight
+from workers.models.bf16_linear import pack_cpu_weight
 from workers.device_memory import DeviceMemory, device_memory
 from workers.loader import load_weights
 from workers.memory_profile import size_kv_pool
@@ -223,7 +222,7 @@ def weights_on_huge_pages(model: torch.nn.Module) -> None:
     tensors = []
     for module in model.modules():
         packed = getattr(module, "packed", None)
-        is_packed = isinstance(packed, (PackedWeight, KernelWeight))
+        is_packed = packed is not None  # a `parallel.onednn_linear.Packed`
         if is_packed:
             tensors.append(packed.packed)
         tensors += [p for name, p in module.named_parameters(recurse=False)

@@ -66,7 +66,7 @@ def test_a_deploy_that_serve_gives_up_on_exits_1_saying_why(tiny_llama, tmp_path
     shard = broken / "model.safetensors"
     shard.write_bytes(shard.read_bytes()[:1000])
     # Serve gives up after one failed start of the replica instead of its default three: the
-    # same path, a third of the wait.
+    # same path to DEPLOY_FAILED.
     env = {**os.environ, "RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT": "1"}
     result = serve("--model", str(broken), "--port", str(free_port()), timeout=240, env=env)
     assert result.returncode == 1, result.stderr[-3000:]

@@ -2,11 +2,10 @@
 linear_bf16.c``) over a weight packed once, called through ctypes. `pack_cpu_weight` is the
 ``pack`` a CPU rank gives `parallel.onednn_linear.pack_linear_weights`.
 
-Why: a decode step multiplies a few rows by every weight of the model, so its linears stream the
-weights from memory; oneDNN's bf16 kernels read their blocked layout at a fraction of the rate one
-core can stream, and at many rows they reach about the core's `vdpbf16ps` rate, which the kernel
-reaches too (docs/benchmarks/cpu-bf16.md). The kernel reads each weight as one sequential stream,
-prefetched ahead, at every row count.
+Why: a decode step multiplies a few rows by every weight of the model, so its linears are bound
+by how fast the weights stream from memory. The kernel reads each weight as one sequential
+stream, prefetched ahead, at every row count; the figures against oneDNN's bf16 kernels are in
+docs/benchmarks/cpu-bf16.md.
 
 What it computes: ``F.linear(x, weight, bias)`` with fp32 sums, each output rounded to bf16 once:
 within bf16 rounding of the fp32 product, not bitwise equal to oneDNN's. A row's result depends
