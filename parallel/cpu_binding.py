@@ -14,6 +14,12 @@ would otherwise take turns on the same cores. The rules:
 - The claiming process runs **every thread of its own** on the claimed cores (its event loop and
   Ray's threads too: a thread holding the GIL then waits only for the rank, not for another
   process's turn on a busy core). Threads started later inherit the cores.
+- A claiming process asks for a **higher priority** than the host's other processes on its cores
+  (``nice``, -10 by default: `--cpu-rank-nice`): a foreign process that lands on a claimed core
+  (a load generator, a metrics agent: nothing binds those) then takes a tenth of the core while
+  the rank computes, not half of it. Every thread of the process gets it, and threads started
+  later inherit it. Raising a priority needs ``CAP_SYS_NICE`` (or ``RLIMIT_NICE``); where the
+  process may not, it keeps its priority and the log says so once.
 - Claims live in one JSON file per host (`registry_path`: ``$TPSERVE_CORE_REGISTRY``, else
   ``/dev/shm/tpserve-cores.json``), under an exclusive ``flock``. A claim names its process by
   pid and start time; a claim whose process has exited (or whose pid now names another process)
@@ -47,10 +53,12 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 @dataclass(frozen=True)
 class CoreBinding:
-    """A rank process's claim: the cores it runs on, and the node's cores left unclaimed."""
+    """A rank process's claim: the cores it runs on, the node's cores left unclaimed, and the
+    nice value its threads run at."""
 
     cores: Tuple[int, ...]
     unclaimed: Tuple[int, ...]
+    nice: int = 0
 
 
 def registry_path() -> Path:
@@ -114,9 +122,9 @@ def _shared_by_quota(cpus: Sequence[int]) -> bool:
 
 
 def bind_rank_cores(num_threads: int, reserve: int = RESERVED_CORES,
-                    registry: Optional[Path] = None) -> Optional[CoreBinding]:
-    """Claims ``num_threads`` cores for this process and runs all of its threads there; None
-    (logged) where the node cannot spare them."""
+                    registry: Optional[Path] = None, nice: int = 0) -> Optional[CoreBinding]:
+    """Claims ``num_threads`` cores for this process and runs all of its threads there, at
+    ``nice`` where it may (`set_process_nice`); None (logged) where the node cannot spare them."""
     cpus = node_cpus()
     if _shared_by_quota(cpus):
         return None
@@ -142,9 +150,9 @@ def bind_rank_cores(num_threads: int, reserve: int = RESERVED_CORES,
                        format_cpu_list(cores), exc)
         release_cores(path)
         return None
-    binding = CoreBinding(cores, tuple(free[num_threads:]))
-    logger.info("CPU binding: this rank runs on core(s) %s; %s left to the rest",
-                format_cpu_list(binding.cores), format_cpu_list(binding.unclaimed))
+    binding = CoreBinding(cores, tuple(free[num_threads:]), set_process_nice(nice))
+    logger.info("CPU binding: this rank runs on core(s) %s at nice %d; %s left to the rest",
+                format_cpu_list(binding.cores), binding.nice, format_cpu_list(binding.unclaimed))
     return binding
 
 
@@ -183,6 +191,29 @@ def pin_process(cores: Iterable[int]) -> None:
             os.sched_setaffinity(tid, cores)
         except ProcessLookupError:  # the thread ended meanwhile
             continue
+
+
+def set_process_nice(nice: int) -> int:
+    """Every thread of this process, and every thread it starts, at ``nice`` (-20..19; 0 leaves
+    the process as it is). Where the process may not raise its priority that far, it keeps the
+    one it has (logged). Returns the nice value its threads run at."""
+    if not -20 <= nice <= 19:
+        raise ValueError(f"nice must be from -20 to 19, got {nice}")
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice == 0 or nice == current:
+        return current
+    for tid in sorted(int(name) for name in os.listdir("/proc/self/task")):
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+        except PermissionError as exc:
+            logger.warning("CPU binding: this rank stays at nice %d: it may not take nice %d "
+                           "(%s); give it CAP_SYS_NICE (or RLIMIT_NICE) to run above the other "
+                           "processes on its cores, or --cpu-rank-nice 0 not to ask", current,
+                           nice, exc.strerror)
+            return current
+    return nice
 
 
 def process_start_time(pid: int) -> Optional[int]:

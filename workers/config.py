@@ -70,6 +70,12 @@ class EngineConfig:
                 "cores of its own, one per torch thread, where its node keeps a core for the "
                 "rest, and tpserve serve's local Ray on the cores left; none leaves both to the OS",
         choices=CPU_BINDINGS)
+    # The nice value of those ranks' processes (parallel.cpu_binding.set_process_nice).
+    cpu_rank_nice: int = option(
+        -10, "CPU ranks on cores of their own (--cpu-binding auto): the nice value their "
+             "processes ask for, above the host's other processes on those cores (needs "
+             "CAP_SYS_NICE; where refused, the log says so and the rank keeps its priority); 0 "
+             "leaves it")
     # KV tiers below the device pool (per rank): host memory, then local disk.
     # 0 and host_kv_blocks None: no host tier; host_kv_blocks wins over host_kv_gb
     host_kv_gb: float = option(0.0, "host-memory KV tier in GiB (0: none)", group=TIERS)
@@ -143,6 +149,8 @@ class EngineConfig:
                              f"got {self.grammar_compile_timeout_s}")
         if self.cpu_binding not in CPU_BINDINGS:
             raise ValueError(f"--cpu-binding must be auto or none, got {self.cpu_binding!r}")
+        if not -20 <= self.cpu_rank_nice <= 19:
+            raise ValueError(f"--cpu-rank-nice must be from -20 to 19, got {self.cpu_rank_nice}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError("--attention-backend must be auto, torch or triton, "
                              f"got {self.attention_backend!r}")

@@ -61,6 +61,7 @@ class RankConfig:
     gpu_memory_utilization: Optional[float] = None
     max_num_batched_tokens: int = 2048  # the largest step, profiled for the fraction above
     bind_cores: bool = False  # CPU: this process on cores of its own (parallel.cpu_binding)
+    nice: int = 0  # with bind_cores: the nice value this process asks for there (0: as it is)
 
 
 @dataclass
@@ -158,7 +159,7 @@ def build_rank(config: RankConfig, check_peers: Optional[Callable[[], None]] = N
     if device.type == "cpu":
         keep_freed_memory()  # no page faults on each step's large temporaries
         if config.bind_cores:  # before the weights load: their pages go to its cores' node
-            bind_rank_cores(config.num_threads or torch.get_num_threads())
+            bind_rank_cores(config.num_threads or torch.get_num_threads(), nice=config.nice)
     tp = init_tp_group(config.group, device, check_peers)
     model_config = load_model_config(Path(config.model_dir))
     dtype = getattr(torch, config.dtype)

@@ -50,7 +50,7 @@ def rank_configs(cfg: EngineConfig, model_dir: Path, model: ModelConfig, max_mod
                    max_num_seqs=cfg.max_num_seqs,
                    gpu_memory_utilization=cfg.gpu_memory_utilization,
                    max_num_batched_tokens=cfg.max_num_batched_tokens,
-                   bind_cores=bind_cores and not use_cuda)
+                   bind_cores=bind_cores and not use_cuda, nice=cfg.cpu_rank_nice)
         for rank in range(cfg.tp_size)
     ]
     return RankConfigs(ranks, max_model_len, disk_lock)
