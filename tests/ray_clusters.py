@@ -8,9 +8,20 @@ from typing import Dict, Iterator, Sequence
 import pytest
 
 
+def stop_local_ray() -> None:
+    """Stops the Ray this process started, and Serve with it. ``ray.shutdown()`` alone: the
+    cluster's processes (Serve's controller, proxies and replicas, named actors) end with it,
+    and a ``serve.shutdown()`` first would stop the deployments one after another, each after
+    Serve's graceful wait (2 s), seconds of every module's teardown."""
+    import ray
+
+    ray.shutdown()
+
+
 @contextlib.contextmanager
 def loopback_cluster(nodes: Sequence[Dict]) -> Iterator[object]:
-    """Start one Ray node per ``add_node`` kwargs in ``nodes``, connect the driver, and stop it all.
+    """Start one Ray node per ``add_node`` kwargs in ``nodes``, connect the driver, and stop it all
+    (Serve and every actor with it: no ``serve.shutdown()`` needed, see `stop_local_ray`).
 
     On loopback the driver hangs connecting to GCS unless Ray keeps to 127.0.0.1. Ray reads the
     variable when it is imported: set it for the processes the cluster starts, and patch the

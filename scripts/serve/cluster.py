@@ -42,10 +42,8 @@ def local_serve(num_cpus: int) -> Iterator[int]:
     """A fresh local Ray with Serve's HTTP proxy on a free port (yielded); all of it stopped at
     the end. ``address="local"``: never another Ray that happens to run on this host."""
     import ray
-    from ray import serve
 
     from cluster.cli.serve import use_serve_transport
-    from cluster.metrics import kill_metrics_store
 
     use_serve_transport()  # the transport `tpserve serve` gives its local Ray
     ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1",
@@ -53,8 +51,8 @@ def local_serve(num_cpus: int) -> Iterator[int]:
     try:
         yield start_serve()
     finally:
-        serve.shutdown()
-        kill_metrics_store()
+        # Serve and its named actors end with the Ray this started; serve.shutdown() first
+        # would wait out each deployment's graceful stop.
         ray.shutdown()
 
 

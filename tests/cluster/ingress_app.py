@@ -32,6 +32,7 @@ from workers.async_engine import AsyncLLMEngine, EngineDeadError  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
 from workers.tokenizer import load_tokenizer  # noqa: E402
+from ray_clusters import stop_local_ray  # noqa: E402
 
 
 API_KEY = "test-key"
@@ -125,8 +126,7 @@ def server(tiny_llama, tmp_path_factory):
         yield {"url": f"http://127.0.0.1:{port}", "port": port, "group": group,
                "model_dir": tiny_llama, "key_file": key_file}
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_local_ray()
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from ray import serve  # noqa: E402
 
 from cluster.app import ServeConfig, build_app  # noqa: E402
-from cluster.metrics import kill_metrics_store  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
+from ray_clusters import stop_local_ray  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -42,9 +42,7 @@ def base_url(tiny_llama):
                   name="tpserve", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
-        kill_metrics_store()
-        ray.shutdown()
+        stop_local_ray()
 
 
 def assert_openai_error(response) -> None:

@@ -31,6 +31,7 @@ from cluster.proto.tpserve.v1 import tpserve_pb2_grpc as pb_grpc  # noqa: E402
 from ingress_app import BLOCK_SIZE, TinyGroup, group, tokenizer  # noqa: E402,F401 (fixtures)
 from tiny_models import hf_greedy  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
+from ray_clusters import stop_local_ray  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -61,8 +62,7 @@ def server(tiny_llama):
                "model_dir": tiny_llama}
         channel.close()
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_local_ray()
 
 
 @pytest.fixture(scope="module")

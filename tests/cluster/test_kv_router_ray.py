@@ -263,6 +263,7 @@ import sys
 from ray import cloudpickle
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 import cluster.routing.kv_router as imported
+from ray_clusters import stop_local_ray  # noqa: E402
 
 router_class = cloudpickle.loads(open(sys.argv[1], "rb").read())
 router = router_class(
@@ -340,8 +341,7 @@ def serve_app():
         handle = serve.run(StandInGroup.bind(), name="kv_router_test", route_prefix=None)
         yield handle
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_local_ray()
 
 
 def _router_with_two_reports(handle, timeout_s: float = 30.0) -> KVAwareRouter:

@@ -31,6 +31,7 @@ from cluster.api.request_limits import IngressLimits  # noqa: E402
 from workers.async_engine import AsyncLLMEngine, EngineDeadError  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
+from ray_clusters import stop_local_ray  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -92,8 +93,7 @@ def server(tiny_llama):
         yield {"url": f"http://127.0.0.1:{port}", "port": port,
                "group": serve.get_deployment_handle("OneSlotGroup", app_name=APP)}
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_local_ray()
 
 
 @pytest.fixture

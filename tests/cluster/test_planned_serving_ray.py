@@ -27,8 +27,6 @@ from ray import serve  # noqa: E402
 
 from cluster.app import ServeConfig, build_app  # noqa: E402
 from cluster.cli.status import collect_status  # noqa: E402
-from cluster.groups.allocator import kill_group_allocator  # noqa: E402
-from cluster.metrics import kill_metrics_store  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
 from parallel.topology_probe import IBSTAT_FILE_ENV, NVSMI_FILE_ENV  # noqa: E402
 from ray_clusters import loopback_cluster  # noqa: E402
@@ -63,13 +61,9 @@ def cluster():
                            dict(num_cpus=2, num_gpus=2, env_vars=NVLINK)]) as c:
         pcie_id, nvlink_id = (node.node_id for node in (c.head_node, c.list_all_nodes()[1]))
         port = free_port()
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            yield c, {"pcie": pcie_id, "nvlink": nvlink_id}, port
-        finally:
-            serve.shutdown()
-            kill_metrics_store()
-            kill_group_allocator()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # Serve and the named actors end with the cluster (`loopback_cluster`).
+        yield c, {"pcie": pcie_id, "nvlink": nvlink_id}, port
 
 
 @pytest.fixture(scope="module")

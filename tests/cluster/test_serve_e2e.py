@@ -19,10 +19,10 @@ from ray import serve  # noqa: E402
 
 from cluster.app import ServeConfig, build_app  # noqa: E402
 from cluster.api.grpc_service import grpc_options  # noqa: E402
-from cluster.metrics import kill_metrics_store  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
 from tiny_models import hf_greedy  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
+from ray_clusters import stop_local_ray  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -48,9 +48,7 @@ def serve_app(model_dir, port, engine_kwargs=None, grpc_port=0, **config):
 
 
 def stop_serving():
-    serve.shutdown()
-    kill_metrics_store()
-    ray.shutdown()
+    stop_local_ray()
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from tool_models import MAX_MODEL_LEN  # noqa: E402
 from workers.async_engine import AsyncLLMEngine  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import LLMEngine  # noqa: E402
+from ray_clusters import stop_local_ray  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -77,8 +78,7 @@ def client(tool_checkpoints, grpc_port):
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY,
                             max_retries=0, timeout=60)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_local_ray()
         cloudpickle.unregister_pickle_by_value(module)
 
 
