@@ -38,6 +38,7 @@ from cluster.contract import LoadReport  # noqa: E402
 from cluster.routing.load_report import ReplicaLoadTracker  # noqa: E402
 from cluster.groups.deployment import serve_routing_id  # noqa: E402
 from cluster.routing.ranking import RankReason, RequestDemand  # noqa: E402
+from ray_clusters import stop_local_ray  # noqa: E402
 
 DEPLOYMENT = DeploymentID(name="group", app_name="test")
 
@@ -263,7 +264,6 @@ import sys
 from ray import cloudpickle
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 import cluster.routing.kv_router as imported
-from ray_clusters import stop_local_ray  # noqa: E402
 
 router_class = cloudpickle.loads(open(sys.argv[1], "rb").read())
 router = router_class(
