@@ -47,10 +47,6 @@ def serve_app(model_dir, port, engine_kwargs=None, grpc_port=0, **config):
                          max_retries=0, timeout=120)
 
 
-def stop_serving():
-    stop_local_ray()
-
-
 @contextlib.contextmanager
 def local_serving(model_dir, grpc_port=0, **engine_kwargs):
     """The app on a fresh local Ray (gRPC too unless ``grpc_port`` is 0); yields an `openai`
@@ -60,7 +56,7 @@ def local_serving(model_dir, grpc_port=0, **engine_kwargs):
     try:
         yield serve_app(model_dir, free_port(), engine_kwargs, grpc_port)
     finally:
-        stop_serving()
+        stop_local_ray()
 
 
 @pytest.fixture(scope="module")
